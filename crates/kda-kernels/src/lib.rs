@@ -1,0 +1,17 @@
+//! KDA kernels over a [`state_pool`] layer: prefill, decode, speculative verify and replay.
+//!
+//! One [`Backend`] trait with one method per operation; a CPU reference backend
+//! ([`cpu::CpuBackend`]) that is the oracle for every GPU backend; a CUDA backend behind the
+//! `cuda` feature (a stub that reports "not compiled" otherwise, so no caller needs `cfg`).
+//! State is read and written through the pool's element type; all arithmetic is f32.
+
+pub mod api;
+pub mod cpu;
+pub mod error;
+pub mod rounding;
+
+pub use api::{
+    Backend, BatchPlan, BetaMode, CuSeqlens, GateMode, IndexView, KdaOptions, StepInputs,
+    TensorView, TensorViewMut,
+};
+pub use error::{KernelError, Result};

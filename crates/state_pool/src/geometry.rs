@@ -1,0 +1,203 @@
+//! The geometry of a pool's planes (pure arithmetic, no allocation) and the per-layer view the
+//! kernels operate on.
+//!
+//! Per KDA layer the pool owns four buffers, each indexed by slot (request slots first, then
+//! checkpoint slots):
+//! - **ssm**: `[slot][HV][K][V]` (or `[slot][HV][V][K]` for V-first) elements of the state dtype;
+//! - **conv**: `[slot][conv_kernel - 1][conv_channels]` elements of the conv dtype (the kernels
+//!   never touch it; it is sized, zeroed, checkpointed and exported with the slot);
+//! - **ring**: `[slot][ring_len][entry]` elements of the ring (input) dtype, where one entry is a
+//!   token's raw inputs `k [H*K] | v [HV*V] | g [HV*K] | beta [HV]`, in that order;
+//! - **meta**: `[slot]` x [`RingMeta`] (16 bytes), only when `ring_len > 0`.
+
+use crate::{dtype::Dtype, layout::StateLayout, rounding::Rounding};
+
+/// Bytes of one slot's [`RingMeta`] in the meta plane.
+pub const RING_META_BYTES: usize = 16;
+
+/// The replay-ring bookkeeping of one (layer, slot), stored as four little-endian `u32`s.
+/// Ring entries `0..pending` are accepted tokens not yet folded into the committed state;
+/// entries `pending..len` are the drafts of the previous speculative verify.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct RingMeta {
+    /// Entries in use (pending + drafts).
+    pub len: u32,
+    /// Accepted entries not yet folded into the committed state.
+    pub pending: u32,
+    /// Scratch for GPU kernels (an arrival counter); always 0 between calls.
+    pub arrive: u32,
+    /// Reserved, 0.
+    pub reserved: u32,
+}
+
+impl RingMeta {
+    /// Drafts of the previous verify still waiting for their accepted count.
+    pub fn drafts(&self) -> u32 {
+        self.len - self.pending
+    }
+}
+
+/// Every fact about the layout of a pool's planes. Built from a model shape and the pool's
+/// configuration; everything downstream (sizing, allocation, kernels, layout id) reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolGeometry {
+    /// KDA layers.
+    pub layers: usize,
+    /// q/k heads of this rank.
+    pub h: usize,
+    /// value heads of this rank (a multiple of `h`).
+    pub hv: usize,
+    /// key head dim.
+    pub k: usize,
+    /// value head dim.
+    pub v: usize,
+    /// Rows of conv state per slot and layer (`conv_kernel - 1`).
+    pub conv_rows: usize,
+    /// Channels of conv state (q, k and v channels of this rank).
+    pub conv_channels: usize,
+    /// Element type of the conv state.
+    pub conv_dtype: Dtype,
+    /// Element type of the SSM state.
+    pub state_dtype: Dtype,
+    /// Storage layout of each head's state.
+    pub layout: StateLayout,
+    /// Tokens of raw inputs the replay ring holds (0: eager, no ring).
+    pub ring_len: usize,
+    /// Element type of the ring (the kernels' input dtype).
+    pub ring_dtype: Dtype,
+    /// Request slots.
+    pub slots: usize,
+    /// Checkpoint slots (indices `slots..slots + checkpoint_slots`).
+    pub checkpoint_slots: usize,
+    /// Rounding of 2-byte state stores.
+    pub rounding: Rounding,
+}
+
+impl PoolGeometry {
+    /// All slots of a plane: request plus checkpoint slots.
+    pub fn total_slots(&self) -> usize {
+        self.slots + self.checkpoint_slots
+    }
+    /// Elements of one head's state (K * V).
+    pub fn head_elems(&self) -> usize {
+        self.k * self.v
+    }
+    /// Elements of one slot's state in one layer (HV * K * V): the slot stride of the ssm plane.
+    pub fn ssm_slot_elems(&self) -> usize {
+        self.hv * self.head_elems()
+    }
+    /// Bytes of one slot's state in one layer.
+    pub fn ssm_slot_bytes(&self) -> usize {
+        self.ssm_slot_elems() * self.state_dtype.size()
+    }
+    /// Elements of one slot's conv state in one layer.
+    pub fn conv_slot_elems(&self) -> usize {
+        self.conv_rows * self.conv_channels
+    }
+    /// Bytes of one slot's conv state in one layer.
+    pub fn conv_slot_bytes(&self) -> usize {
+        self.conv_slot_elems() * self.conv_dtype.size()
+    }
+    /// Elements of one ring entry (one token): `k | v | g | beta`.
+    pub fn ring_entry_elems(&self) -> usize {
+        self.h * self.k + self.hv * self.v + self.hv * self.k + self.hv
+    }
+    /// Offsets of `k`, `v`, `g`, `beta` inside one ring entry, in elements.
+    pub fn ring_entry_offsets(&self) -> [usize; 4] {
+        let k = 0;
+        let v = k + self.h * self.k;
+        let g = v + self.hv * self.v;
+        let beta = g + self.hv * self.k;
+        [k, v, g, beta]
+    }
+    /// Elements of one slot's ring data in one layer.
+    pub fn ring_slot_elems(&self) -> usize {
+        self.ring_len * self.ring_entry_elems()
+    }
+    /// Bytes of one slot's ring data in one layer.
+    pub fn ring_slot_bytes(&self) -> usize {
+        self.ring_slot_elems() * self.ring_dtype.size()
+    }
+    /// Bytes of one slot's ring bookkeeping in one layer (0 without a ring).
+    pub fn meta_slot_bytes(&self) -> usize {
+        if self.ring_len > 0 {
+            RING_META_BYTES
+        } else {
+            0
+        }
+    }
+    /// The ring plane per slot and layer as sized: ring data plus bookkeeping.
+    pub fn ring_plane_slot_bytes(&self) -> usize {
+        self.ring_slot_bytes() + self.meta_slot_bytes()
+    }
+    /// Value heads per q/k head (GVA group size).
+    pub fn group(&self) -> usize {
+        self.hv / self.h
+    }
+}
+
+/// A mutable view of one layer of a pool: what a kernel reads and writes. `B` is the backend's
+/// buffer type ([`crate::HostBuffer`] for the CPU backend).
+pub struct LayerMut<'a, B> {
+    /// Index of the layer in the pool (keys the stochastic-rounding RNG).
+    pub layer: usize,
+    /// The pool's geometry.
+    pub geometry: &'a PoolGeometry,
+    /// The ssm plane of this layer.
+    pub ssm: &'a mut B,
+    /// The ring data plane of this layer (0 bytes without a ring).
+    pub ring: &'a mut B,
+    /// The ring bookkeeping plane of this layer (0 bytes without a ring).
+    pub meta: &'a mut B,
+    /// Store epoch of this layer: bumped by every state-writing call; keys the stochastic RNG.
+    pub epoch: &'a mut u64,
+}
+
+/// The four buffers of one layer, owned. [`crate::StatePool`] holds one per layer; tests and
+/// tools that need a single layer can own one directly.
+pub struct LayerPlanes<B> {
+    /// Index of the layer in its pool.
+    pub layer: usize,
+    /// The ssm plane: `total_slots * ssm_slot_bytes` bytes.
+    pub ssm: B,
+    /// The conv plane: `total_slots * conv_slot_bytes` bytes.
+    pub conv: B,
+    /// The ring data plane: `total_slots * ring_slot_bytes` bytes.
+    pub ring: B,
+    /// The ring bookkeeping plane: `total_slots * meta_slot_bytes` bytes.
+    pub meta: B,
+    /// Store epoch (see [`LayerMut::epoch`]).
+    pub epoch: u64,
+}
+
+impl<B> LayerPlanes<B> {
+    /// Allocates the zeroed planes of layer `layer` of `geometry` through `mem`.
+    pub fn new<M: crate::DeviceMemory<Buffer = B>>(
+        mem: &M,
+        geometry: &PoolGeometry,
+        layer: usize,
+    ) -> crate::Result<Self> {
+        let n = geometry.total_slots();
+        Ok(Self {
+            layer,
+            ssm: mem.alloc_zeroed(n * geometry.ssm_slot_bytes())?,
+            conv: mem.alloc_zeroed(n * geometry.conv_slot_bytes())?,
+            ring: mem.alloc_zeroed(n * geometry.ring_slot_bytes())?,
+            meta: mem.alloc_zeroed(n * geometry.meta_slot_bytes())?,
+            epoch: 0,
+        })
+    }
+
+    /// The kernels' view of this layer.
+    pub fn view<'a>(&'a mut self, geometry: &'a PoolGeometry) -> LayerMut<'a, B> {
+        LayerMut {
+            layer: self.layer,
+            geometry,
+            ssm: &mut self.ssm,
+            ring: &mut self.ring,
+            meta: &mut self.meta,
+            epoch: &mut self.epoch,
+        }
+    }
+}
