@@ -191,7 +191,10 @@ mod tests {
                 up += (y == hi) as u32;
             }
             let p = up as f64 / 20000.0;
-            assert!((p - frac as f64).abs() < 0.02, "x={x}: rounded up with p={p}");
+            assert!(
+                (p - frac as f64).abs() < 0.02,
+                "x={x}: rounded up with p={p}"
+            );
         }
     }
 

@@ -34,7 +34,12 @@ impl StateLayout {
 
     /// Parses `kfirst` / `vfirst` (case-insensitive, also `k-first`, `v-first`).
     pub fn parse(s: &str) -> Option<Self> {
-        match s.trim().to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+        match s
+            .trim()
+            .to_ascii_lowercase()
+            .replace(['-', '_'], "")
+            .as_str()
+        {
             "kfirst" => Some(Self::KFirst),
             "vfirst" => Some(Self::VFirst),
             _ => None,
