@@ -118,6 +118,12 @@ impl BatchPlan {
     }
 }
 
+impl AsRef<BatchPlan> for BatchPlan {
+    fn as_ref(&self) -> &BatchPlan {
+        self
+    }
+}
+
 /// A read-only tensor in backend memory: a buffer, its element type and element count.
 #[derive(Debug)]
 pub struct TensorView<'a, B> {
