@@ -38,6 +38,12 @@ pub enum PoolError {
         /// Number of request slots in the pool.
         capacity: usize,
     },
+    /// No free checkpoint slot is left.
+    #[error("checkpoint slots exhausted: all {capacity} checkpoint slots are in use")]
+    CheckpointsExhausted {
+        /// Number of checkpoint slots in the pool.
+        capacity: usize,
+    },
     /// A checkpoint image that cannot be imported.
     #[error("checkpoint refused: {0}")]
     Checkpoint(String),

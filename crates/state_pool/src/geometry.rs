@@ -201,3 +201,149 @@ impl<B> LayerPlanes<B> {
         }
     }
 }
+
+/// The pool's own settings, beside the model shape: what [`PoolGeometry::new`] combines with a
+/// [`crate::KdaShape`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Element type of the SSM state (the resolved [`crate::StateDtype`]).
+    pub state_dtype: Dtype,
+    /// Tokens of raw inputs the replay ring holds (0: eager commit, no ring).
+    pub ring_len: usize,
+    /// Element type of the ring (the kernels' input dtype).
+    pub ring_dtype: Dtype,
+    /// Request slots (at least 1).
+    pub slots: usize,
+    /// Checkpoint slots.
+    pub checkpoint_slots: usize,
+    /// Rounding of 2-byte state stores.
+    pub rounding: Rounding,
+}
+
+impl Default for PoolConfig {
+    /// fp32 state, no ring (bf16 ring dtype), one slot, no checkpoint slots, nearest-even.
+    fn default() -> Self {
+        Self {
+            state_dtype: Dtype::Fp32,
+            ring_len: 0,
+            ring_dtype: Dtype::Bf16,
+            slots: 1,
+            checkpoint_slots: 0,
+            rounding: Rounding::Nearest,
+        }
+    }
+}
+
+impl PoolGeometry {
+    /// The geometry of one rank's pool for `shape` (per-rank heads from its TP size) and
+    /// `config`. Checked with [`PoolGeometry::validate`].
+    pub fn new(shape: &crate::KdaShape, config: &PoolConfig) -> crate::Result<Self> {
+        shape.validate()?;
+        let (h, hv) = shape.heads_per_rank()?;
+        let geometry = Self {
+            layers: shape.kda_layers,
+            h,
+            hv,
+            k: shape.head_k_dim,
+            v: shape.head_v_dim,
+            conv_rows: shape.conv_rows(),
+            conv_channels: shape.conv_channels_per_rank()?,
+            conv_dtype: shape.conv_dtype,
+            state_dtype: config.state_dtype,
+            layout: shape.layout,
+            ring_len: config.ring_len,
+            ring_dtype: config.ring_dtype,
+            slots: config.slots,
+            checkpoint_slots: config.checkpoint_slots,
+            rounding: config.rounding,
+        };
+        geometry.validate()?;
+        Ok(geometry)
+    }
+
+    /// Checks the geometry: positive layers, heads and dims, `hv` a multiple of `h`, at least
+    /// one request slot, slot indices that fit in `u32`, and plane sizes that fit in memory
+    /// arithmetic (`usize`) without overflow.
+    pub fn validate(&self) -> crate::Result<()> {
+        use crate::PoolError;
+        for (arg, value) in [
+            ("layers", self.layers),
+            ("h", self.h),
+            ("hv", self.hv),
+            ("k", self.k),
+            ("v", self.v),
+        ] {
+            if value == 0 {
+                return Err(PoolError::arg(arg, "is 0; expected a positive integer"));
+            }
+        }
+        if !self.hv.is_multiple_of(self.h) {
+            return Err(PoolError::arg(
+                "hv",
+                format!("{} is not a multiple of h {}", self.hv, self.h),
+            ));
+        }
+        if self.slots == 0 {
+            return Err(PoolError::arg(
+                "slots",
+                "is 0; a pool needs at least one request slot",
+            ));
+        }
+        let too_big = |what: &str| {
+            PoolError::arg(
+                "slots",
+                format!(
+                    "{} request + {} checkpoint slots with ring_len {}: {what} overflows",
+                    self.slots, self.checkpoint_slots, self.ring_len
+                ),
+            )
+        };
+        let total = self
+            .slots
+            .checked_add(self.checkpoint_slots)
+            .filter(|&n| u32::try_from(n).is_ok())
+            .ok_or_else(|| too_big("the slot count (at most 2^32 - 1 slots)"))?;
+        let per_layer = [
+            self.hv
+                .checked_mul(self.k)
+                .and_then(|x| x.checked_mul(self.v))
+                .and_then(|x| x.checked_mul(self.state_dtype.size())),
+            self.conv_rows
+                .checked_mul(self.conv_channels)
+                .and_then(|x| x.checked_mul(self.conv_dtype.size())),
+            self.h
+                .checked_mul(self.k)
+                .and_then(|x| x.checked_add(self.hv.checked_mul(self.v)?))
+                .and_then(|x| x.checked_add(self.hv.checked_mul(self.k)?))
+                .and_then(|x| x.checked_add(self.hv))
+                .and_then(|x| x.checked_mul(self.ring_len))
+                .and_then(|x| x.checked_mul(self.ring_dtype.size()))
+                .and_then(|x| x.checked_add(RING_META_BYTES)),
+        ];
+        let mut slot_bytes = 0usize;
+        for plane in per_layer {
+            slot_bytes = plane
+                .and_then(|p| slot_bytes.checked_add(p))
+                .ok_or_else(|| too_big("the bytes of one slot"))?;
+        }
+        slot_bytes
+            .checked_mul(self.layers)
+            .and_then(|b| b.checked_mul(total))
+            .filter(|&b| u64::try_from(b).is_ok())
+            .ok_or_else(|| too_big("the pool's bytes"))?;
+        Ok(())
+    }
+
+    /// The layout id of this geometry (see [`crate::checkpoint::LayoutId`]).
+    pub fn layout_id(&self) -> String {
+        crate::checkpoint::LayoutId::of(self).to_string()
+    }
+
+    /// The same geometry with another state dtype (for the fp32 baseline of a report).
+    pub fn with_state_dtype(&self, dtype: Dtype) -> Self {
+        Self {
+            state_dtype: dtype,
+            ..self.clone()
+        }
+    }
+}
