@@ -9,9 +9,12 @@ pub mod api;
 pub mod cpu;
 pub mod error;
 pub mod rounding;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use api::{
     Backend, BatchPlan, BetaMode, CuSeqlens, GateMode, IndexView, KdaOptions, StepInputs,
     TensorView, TensorViewMut,
 };
+pub use cpu::CpuBackend;
 pub use error::{KernelError, Result};

@@ -1,0 +1,581 @@
+//! Validation shared by every operation, and the per-sequence plan it produces: how many ring
+//! entries to fold, which tokens to compute, where the one state store of the call happens and
+//! how the ring changes (architecture.md, "The replay ring"). Nothing here touches the pool,
+//! so an error leaves it unchanged.
+//!
+//! The checks are generic over the memory (they only need buffer lengths); the ring
+//! bookkeeping and the accepted counts are passed as host values, so a GPU backend can reuse
+//! [`validate_call`] with copies it already holds.
+
+use std::ops::Range;
+
+use state_pool::{DeviceMemory, Dtype, PoolGeometry, RingMeta};
+
+use crate::api::{BatchPlan, CuSeqlens, GateMode, KdaOptions, StepInputs, TensorView};
+use crate::error::{KernelError, Result};
+
+/// The operation being validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Varlen chunked prefill.
+    Prefill,
+    /// One accepted token per sequence.
+    Decode,
+    /// Draft tokens per sequence, after the previous verify's accepted counts.
+    SpecVerify,
+    /// Flush of the pending entries.
+    Replay,
+}
+
+impl Op {
+    /// The operation's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Prefill => "prefill",
+            Op::Decode => "decode",
+            Op::SpecVerify => "spec_verify",
+            Op::Replay => "replay",
+        }
+    }
+}
+
+/// Where a sequence's single state store of the call happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorePoint {
+    /// No store: the state stays as committed.
+    None,
+    /// After folding the pending entries, before the new tokens (a ring commit, a flush).
+    AfterFold,
+    /// After the new tokens (prefill, eager decode).
+    AtEnd,
+}
+
+/// How a sequence's ring changes at the end of the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingUpdate {
+    /// The new bookkeeping.
+    pub meta: RingMeta,
+    /// The new tokens' raw inputs are written at entries `at..at + T` when `Some(at)`.
+    pub append_at: Option<usize>,
+}
+
+/// What one sequence of a call does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqPlan {
+    /// Index of the sequence in the batch.
+    pub seq: usize,
+    /// Its pool slot.
+    pub slot: u32,
+    /// Its tokens in the input tensors.
+    pub tokens: Range<usize>,
+    /// Ring entries `0..fold` are replayed onto the committed state first.
+    pub fold: usize,
+    /// Where the state is stored.
+    pub store: StorePoint,
+    /// The ring's change (`None` without a ring).
+    pub ring: Option<RingUpdate>,
+}
+
+impl SeqPlan {
+    /// Whether the state of this sequence has to be loaded at all.
+    pub fn needs_state(&self) -> bool {
+        self.fold > 0 || !self.tokens.is_empty() || self.store != StorePoint::None
+    }
+}
+
+/// A validated call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallPlan {
+    /// The operation.
+    pub op: Op,
+    /// One entry per sequence, in batch order.
+    pub seqs: Vec<SeqPlan>,
+    /// Whether any state is stored (the layer's epoch is bumped once first).
+    pub stores: bool,
+    /// Element type of q, k, v, g, beta and the output (`None` for replay).
+    pub input_dtype: Option<Dtype>,
+}
+
+/// Everything a call brings, for [`validate_call`].
+pub struct CallArgs<'a, B> {
+    /// The operation.
+    pub op: Op,
+    /// The batch.
+    pub plan: &'a BatchPlan,
+    /// The token inputs (all ops but replay).
+    pub inputs: Option<&'a StepInputs<'a, B>>,
+    /// `A_log` for replay (the other ops take it from `inputs`).
+    pub a_log: Option<&'a TensorView<'a, B>>,
+    /// `dt_bias` for replay (the other ops take it from `inputs`).
+    pub dt_bias: Option<&'a TensorView<'a, B>>,
+    /// The options.
+    pub opts: &'a KdaOptions,
+    /// The output tensor's element type and length (all ops but replay).
+    pub out: Option<(Dtype, usize)>,
+    /// The accepted counts (spec_verify, optionally replay), one per sequence.
+    pub accepted: Option<&'a [u32]>,
+    /// The ring bookkeeping of each sequence's slot, in batch order (default without a ring).
+    pub metas: &'a [RingMeta],
+}
+
+/// Checks the layer's buffers against its geometry (`layer` argument).
+pub fn check_layer<M: DeviceMemory>(
+    mem: &M,
+    geometry: &PoolGeometry,
+    ssm: &M::Buffer,
+    ring: &M::Buffer,
+    meta: &M::Buffer,
+) -> Result<()> {
+    let g = geometry;
+    if g.h == 0 || g.hv == 0 || g.k == 0 || g.v == 0 || g.hv % g.h != 0 {
+        return Err(KernelError::arg(
+            "layer",
+            format!(
+                "geometry has H = {}, HV = {}, K = {}, V = {}; expected positive dims with HV a multiple of H",
+                g.h, g.hv, g.k, g.v
+            ),
+        ));
+    }
+    let n = g.total_slots();
+    for (name, buf, want) in [
+        ("ssm plane", ssm, n * g.ssm_slot_bytes()),
+        ("ring plane", ring, n * g.ring_slot_bytes()),
+        ("meta plane", meta, n * g.meta_slot_bytes()),
+    ] {
+        let got = mem.len(buf);
+        if got != want {
+            return Err(KernelError::arg(
+                "layer",
+                format!("{name} has {got} bytes; the geometry needs {want}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a tensor's dtype and length, and that its buffer holds it.
+fn check_tensor<M: DeviceMemory>(
+    mem: &M,
+    arg: &'static str,
+    t: &TensorView<'_, M::Buffer>,
+    dtype: Dtype,
+    len: usize,
+    shape: &str,
+) -> Result<()> {
+    if t.dtype != dtype {
+        return Err(KernelError::arg(
+            arg,
+            format!("has dtype {}; expected {dtype}", t.dtype),
+        ));
+    }
+    if t.len != len {
+        return Err(KernelError::arg(
+            arg,
+            format!("has {} elements; expected {len} ({shape})", t.len),
+        ));
+    }
+    let bytes = mem.len(t.buf);
+    if bytes < len * dtype.size() {
+        return Err(KernelError::arg(
+            arg,
+            format!(
+                "buffer has {bytes} bytes; {len} elements of {dtype} need {}",
+                len * dtype.size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the gate parameters: needed (and f32 `[HV]`, `[HV * K]`) when the gate is activated
+/// in the kernel, ignored otherwise.
+fn check_gate_params<M: DeviceMemory>(
+    mem: &M,
+    geometry: &PoolGeometry,
+    opts: &KdaOptions,
+    a_log: Option<&TensorView<'_, M::Buffer>>,
+    dt_bias: Option<&TensorView<'_, M::Buffer>>,
+) -> Result<()> {
+    if let GateMode::LowerBound(lb) = opts.gate {
+        if !(lb.is_finite() && lb < 0.0) {
+            return Err(KernelError::arg(
+                "opts.gate",
+                format!("lower_bound is {lb}; expected a finite negative number"),
+            ));
+        }
+    }
+    if !opts.needs_gate_params() {
+        return Ok(());
+    }
+    let (hv, k) = (geometry.hv, geometry.k);
+    match a_log {
+        None => {
+            return Err(KernelError::arg(
+                "a_log",
+                format!(
+                    "is missing; gate {:?} needs A_log [HV = {hv}] in fp32",
+                    opts.gate
+                ),
+            ))
+        }
+        Some(t) => check_tensor(mem, "a_log", t, Dtype::Fp32, hv, "[HV]")?,
+    }
+    match dt_bias {
+        None => Err(KernelError::arg(
+            "dt_bias",
+            format!(
+                "is missing; gate {:?} needs dt_bias [HV * K = {}] in fp32",
+                opts.gate,
+                hv * k
+            ),
+        )),
+        Some(t) => check_tensor(mem, "dt_bias", t, Dtype::Fp32, hv * k, "[HV * K]"),
+    }
+}
+
+/// Re-checks a batch's invariants ([`BatchPlan`]'s fields are public, so a batch may not have
+/// come from [`BatchPlan::new`]).
+pub fn check_plan(plan: &BatchPlan) -> Result<()> {
+    if plan.bounds.len() != plan.slots.len() + 1 {
+        return Err(KernelError::arg(
+            "cu_seqlens",
+            format!(
+                "has {} offsets for {} slots; expected N + 1 offsets for N sequences",
+                plan.bounds.len(),
+                plan.slots.len()
+            ),
+        ));
+    }
+    let cu: Vec<i64> = plan.bounds.iter().map(|&b| b as i64).collect();
+    BatchPlan::new(CuSeqlens::I64(&cu), &plan.slots, plan.num_tokens()).map(|_| ())
+}
+
+/// Validates a call against the layer's `geometry` and plans it.
+pub fn validate_call<M: DeviceMemory>(
+    mem: &M,
+    geometry: &PoolGeometry,
+    args: &CallArgs<'_, M::Buffer>,
+) -> Result<CallPlan> {
+    let g = geometry;
+    let plan = args.plan;
+    check_plan(plan)?;
+    let n = plan.num_seqs();
+    let t = plan.num_tokens();
+    let ring_len = g.ring_len;
+    plan.check_slots(g.total_slots())?;
+    if let Some(inp) = args.inputs {
+        let row = g.h * g.k;
+        if inp.q.len % row == 0 && inp.q.len / row != t {
+            return Err(KernelError::arg(
+                "cu_seqlens",
+                format!(
+                    "ends at {t}; the inputs hold {} tokens (q has {} elements of [T, H = {}, K = {}])",
+                    inp.q.len / row,
+                    inp.q.len,
+                    g.h,
+                    g.k
+                ),
+            ));
+        }
+    }
+
+    match args.op {
+        Op::Decode => {
+            if let Some(i) = (0..n).find(|&i| plan.len_of(i) != 1) {
+                return Err(KernelError::arg(
+                    "cu_seqlens",
+                    format!(
+                        "sequence {i} has {} tokens; decode takes exactly 1 token per sequence",
+                        plan.len_of(i)
+                    ),
+                ));
+            }
+        }
+        Op::Replay => {
+            if t != 0 {
+                return Err(KernelError::arg(
+                    "cu_seqlens",
+                    format!("covers {t} tokens; replay takes sequences of length 0"),
+                ));
+            }
+        }
+        Op::SpecVerify => {
+            if let Some(i) = (0..n).find(|&i| plan.len_of(i) > ring_len) {
+                return Err(KernelError::arg(
+                    "cu_seqlens",
+                    format!(
+                        "sequence {i} has {} draft tokens; spec_verify takes 0..={ring_len} (the ring length)",
+                        plan.len_of(i)
+                    ),
+                ));
+            }
+        }
+        Op::Prefill => {}
+    }
+    if let Some(s) = args.opts.scale {
+        if !s.is_finite() {
+            return Err(KernelError::arg(
+                "opts.scale",
+                format!("is {s}; expected a finite number"),
+            ));
+        }
+    }
+
+    let input_dtype = match args.inputs {
+        Some(inp) => {
+            let d = inp.q.dtype;
+            let (h, hv, k, v) = (g.h, g.hv, g.k, g.v);
+            check_tensor(mem, "q", &inp.q, d, t * h * k, "[T, H, K]")?;
+            check_tensor(mem, "k", &inp.k, d, t * h * k, "[T, H, K]")?;
+            check_tensor(mem, "v", &inp.v, d, t * hv * v, "[T, HV, V]")?;
+            check_tensor(mem, "g", &inp.g, d, t * hv * k, "[T, HV, K]")?;
+            check_tensor(mem, "beta", &inp.beta, d, t * hv, "[T, HV]")?;
+            if ring_len > 0 && d != g.ring_dtype {
+                return Err(KernelError::arg(
+                    "q",
+                    format!(
+                        "inputs have dtype {d}; this pool's ring holds {} inputs, so q, k, v, g, beta must be {}",
+                        g.ring_dtype, g.ring_dtype
+                    ),
+                ));
+            }
+            check_gate_params(mem, g, args.opts, inp.a_log.as_ref(), inp.dt_bias.as_ref())?;
+            let (od, ol) = args.out.unwrap_or((d, 0));
+            if od != d {
+                return Err(KernelError::arg(
+                    "out",
+                    format!("has dtype {od}; expected v's dtype {d}"),
+                ));
+            }
+            if ol != t * hv * v {
+                return Err(KernelError::arg(
+                    "out",
+                    format!("has {ol} elements; expected {} ([T, HV, V])", t * hv * v),
+                ));
+            }
+            Some(d)
+        }
+        None => {
+            check_gate_params(mem, g, args.opts, args.a_log, args.dt_bias)?;
+            None
+        }
+    };
+
+    if args.metas.len() != n {
+        return Err(KernelError::arg(
+            "layer",
+            format!("{} ring records for {n} sequences", args.metas.len()),
+        ));
+    }
+    for (i, m) in args.metas.iter().enumerate() {
+        if m.len as usize > ring_len || m.pending > m.len {
+            return Err(KernelError::arg(
+                "layer",
+                format!(
+                    "slot {} has a corrupt ring record (len {}, pending {}, ring_len {ring_len})",
+                    plan.slots[i], m.len, m.pending
+                ),
+            ));
+        }
+    }
+    if let Some(acc) = args.accepted {
+        if acc.len() != n {
+            return Err(KernelError::arg(
+                "accepted",
+                format!("has {} entries; expected one per sequence ({n})", acc.len()),
+            ));
+        }
+        for (i, (&a, m)) in acc.iter().zip(args.metas).enumerate() {
+            if a > m.drafts() {
+                return Err(KernelError::arg(
+                    "accepted",
+                    format!(
+                        "is {a} for sequence {i} (slot {}); its previous verify left {} drafts",
+                        plan.slots[i],
+                        m.drafts()
+                    ),
+                ));
+            }
+        }
+    }
+    if args.op == Op::Decode {
+        if let Some(i) = (0..n).find(|&i| args.metas[i].drafts() > 0) {
+            return Err(KernelError::arg(
+                "slots",
+                format!(
+                    "slot {} has {} drafts of a previous spec_verify; resolve them with spec_verify or replay (accepted counts) before decode",
+                    plan.slots[i],
+                    args.metas[i].drafts()
+                ),
+            ));
+        }
+    }
+
+    let seqs: Vec<SeqPlan> = (0..n)
+        .map(|i| {
+            let accepted = args.accepted.map_or(0, |a| a[i]);
+            plan_seq(args.op, ring_len, i, plan, args.metas[i], accepted)
+        })
+        .collect();
+    let stores = seqs.iter().any(|s| s.store != StorePoint::None);
+    Ok(CallPlan {
+        op: args.op,
+        seqs,
+        stores,
+        input_dtype,
+    })
+}
+
+/// The ring contract for one sequence (architecture.md, "The replay ring").
+fn plan_seq(
+    op: Op,
+    ring_len: usize,
+    seq: usize,
+    plan: &BatchPlan,
+    meta: RingMeta,
+    accepted: u32,
+) -> SeqPlan {
+    let tokens = plan.range(seq);
+    let nt = tokens.len();
+    let pending = (meta.pending + accepted) as usize;
+    let cleared = RingMeta::default();
+    let with = |len: usize, pending: usize| RingMeta {
+        len: len as u32,
+        pending: pending as u32,
+        ..RingMeta::default()
+    };
+    let ring = |u: RingUpdate| (ring_len > 0).then_some(u);
+    let (fold, store, update) = match op {
+        Op::Prefill => {
+            let store = if nt > 0 || pending > 0 {
+                StorePoint::AtEnd
+            } else {
+                StorePoint::None
+            };
+            (
+                pending,
+                store,
+                RingUpdate {
+                    meta: cleared,
+                    append_at: None,
+                },
+            )
+        }
+        Op::Replay => {
+            let store = if pending > 0 {
+                StorePoint::AfterFold
+            } else {
+                StorePoint::None
+            };
+            (
+                pending,
+                store,
+                RingUpdate {
+                    meta: cleared,
+                    append_at: None,
+                },
+            )
+        }
+        Op::Decode if ring_len == 0 => (
+            0,
+            StorePoint::AtEnd,
+            RingUpdate {
+                meta: cleared,
+                append_at: None,
+            },
+        ),
+        Op::Decode if pending < ring_len => (
+            pending,
+            StorePoint::None,
+            RingUpdate {
+                meta: with(pending + 1, pending + 1),
+                append_at: Some(pending),
+            },
+        ),
+        Op::Decode => (
+            pending,
+            StorePoint::AfterFold,
+            RingUpdate {
+                meta: with(1, 1),
+                append_at: Some(0),
+            },
+        ),
+        Op::SpecVerify if pending + nt <= ring_len => (
+            pending,
+            StorePoint::None,
+            RingUpdate {
+                meta: with(pending + nt, pending),
+                append_at: Some(pending),
+            },
+        ),
+        Op::SpecVerify => (
+            pending,
+            StorePoint::AfterFold,
+            RingUpdate {
+                meta: with(nt, 0),
+                append_at: Some(0),
+            },
+        ),
+    };
+    SeqPlan {
+        seq,
+        slot: plan.slots[seq],
+        tokens,
+        fold,
+        store,
+        ring: ring(update),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(len: u32, pending: u32) -> RingMeta {
+        RingMeta {
+            len,
+            pending,
+            ..RingMeta::default()
+        }
+    }
+
+    fn one_seq(n: usize) -> BatchPlan {
+        BatchPlan {
+            bounds: vec![0, n],
+            slots: vec![3],
+        }
+    }
+
+    #[test]
+    fn decode_appends_until_the_ring_is_full_then_commits_the_pending_entries() {
+        let p = plan_seq(Op::Decode, 4, 0, &one_seq(1), meta(2, 2), 0);
+        assert_eq!((p.fold, p.store), (2, StorePoint::None));
+        assert_eq!(p.ring.unwrap().meta, meta(3, 3));
+        assert_eq!(p.ring.unwrap().append_at, Some(2));
+        let p = plan_seq(Op::Decode, 4, 0, &one_seq(1), meta(4, 4), 0);
+        assert_eq!((p.fold, p.store), (4, StorePoint::AfterFold));
+        assert_eq!(p.ring.unwrap().meta, meta(1, 1));
+        assert_eq!(p.ring.unwrap().append_at, Some(0));
+    }
+
+    #[test]
+    fn spec_verify_accepts_drafts_then_appends_or_commits() {
+        // 1 pending, 3 drafts, 2 accepted -> 3 pending; 1 new draft fits in 4.
+        let p = plan_seq(Op::SpecVerify, 4, 0, &one_seq(1), meta(4, 1), 2);
+        assert_eq!((p.fold, p.store), (3, StorePoint::None));
+        assert_eq!(p.ring.unwrap().meta, meta(4, 3));
+        // 2 new drafts do not fit: commit the 3 pending, the drafts restart the ring.
+        let p = plan_seq(Op::SpecVerify, 4, 0, &one_seq(2), meta(4, 1), 2);
+        assert_eq!((p.fold, p.store), (3, StorePoint::AfterFold));
+        assert_eq!(p.ring.unwrap().meta, meta(2, 0));
+    }
+
+    #[test]
+    fn eager_decode_stores_every_token_and_replay_without_pending_stores_nothing() {
+        let p = plan_seq(Op::Decode, 0, 0, &one_seq(1), RingMeta::default(), 0);
+        assert_eq!((p.fold, p.store, p.ring), (0, StorePoint::AtEnd, None));
+        let p = plan_seq(Op::Replay, 4, 0, &one_seq(0), meta(2, 0), 0);
+        assert_eq!((p.fold, p.store), (0, StorePoint::None));
+        assert_eq!(p.ring.unwrap().meta, RingMeta::default());
+    }
+}
