@@ -822,3 +822,104 @@ fn neighbours(x: f32, dtype: Dtype) -> (f32, f32) {
     let other = from(step(bits, n.abs() < x.abs()));
     (n.min(other), n.max(other))
 }
+
+/// For an fp32 pool: prefill starts from the true state of a slot with a ring, folding its
+/// pending entries and dropping its drafts. A few ring decode steps, a verify whose drafts are
+/// never accepted, then a prefill, equal eager decode of the same tokens then the same
+/// prefill, bit for bit (outputs and state). The prefill leaves the ring empty.
+pub fn check_prefill_folds_the_ring_first<B: Backend>(be: &B, case: &Case, seed: u64) {
+    assert_eq!(
+        case.state_dtype,
+        Dtype::Fp32,
+        "bit-exactness is a property of fp32 pools"
+    );
+    let r = case.ring_len;
+    assert!(r > 0, "the case needs a ring");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mem = be.memory();
+    let eager_case = Case {
+        ring_len: 0,
+        ..case.clone()
+    };
+    let init = initial_states(case, &mut rng);
+    let mut ring = layer_with_states(be, case, &init, &mut rng);
+    let mut eager = layer_with_states(be, &eager_case, &init, &mut rng);
+    let n = case.slots.len();
+    let ones = bounds_of(&vec![1; n]);
+    let params = HostInputs::random(&mut rng, case.dims(), 0, &case.opts, case.input_dtype);
+    let fresh = |rng: &mut StdRng, t: usize| {
+        HostInputs::random(rng, case.dims(), t, &case.opts, case.input_dtype)
+            .with_gate_params(&params.a_log, &params.dt_bias)
+    };
+    for _ in 0..rng.random_range(0..=2 * r) {
+        let inputs = fresh(&mut rng, n);
+        let a = run_tokens(
+            be,
+            &mut ring,
+            TokenOp::Decode,
+            &ones,
+            &case.slots,
+            &inputs,
+            &case.opts,
+        )
+        .expect("ring decode");
+        let b = run_tokens(
+            be,
+            &mut eager,
+            TokenOp::Decode,
+            &ones,
+            &case.slots,
+            &inputs,
+            &case.opts,
+        )
+        .expect("eager decode");
+        assert_bits_eq(&a, &b, "decode outputs");
+    }
+    let lens: Vec<usize> = (0..n).map(|_| rng.random_range(0..=r)).collect();
+    let drafts = fresh(&mut rng, lens.iter().sum());
+    run_tokens(
+        be,
+        &mut ring,
+        TokenOp::SpecVerify(&vec![0; n]),
+        &bounds_of(&lens),
+        &case.slots,
+        &drafts,
+        &case.opts,
+    )
+    .expect("a verify whose drafts are dropped");
+    let inputs = fresh(&mut rng, case.num_tokens());
+    let bounds = case.bounds();
+    let a = run_tokens(
+        be,
+        &mut ring,
+        TokenOp::Prefill,
+        &bounds,
+        &case.slots,
+        &inputs,
+        &case.opts,
+    )
+    .expect("prefill after the ring");
+    let b = run_tokens(
+        be,
+        &mut eager,
+        TokenOp::Prefill,
+        &bounds,
+        &case.slots,
+        &inputs,
+        &case.opts,
+    )
+    .expect("prefill after eager decode");
+    assert_bits_eq(&a, &b, "prefill outputs");
+    for (i, &s) in case.slots.iter().enumerate() {
+        let m = ring.meta(mem, s).expect("meta");
+        // A zero-length sequence with nothing pending keeps its state, and loses its drafts.
+        assert_eq!(
+            (m.len, m.pending),
+            (0, 0),
+            "prefill leaves slot {s}'s ring empty (sequence {i})"
+        );
+    }
+    let sa = ring.read_states(mem, &case.slots).expect("read");
+    let sb = eager.read_states(mem, &case.slots).expect("read");
+    assert_bits_eq(&sa, &sb, "state after the prefill");
+}

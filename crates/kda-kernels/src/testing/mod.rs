@@ -15,10 +15,12 @@
 //! own tests enable it through a dev-dependency on the crate itself, so the library proper
 //! does not depend on `rand`.
 
+pub mod bad_input;
 pub mod checks;
 pub mod data;
 pub mod layer;
 
+pub use bad_input::{assert_refused, bad_input_case, check_rejects_bad_input};
 pub use checks::*;
 pub use data::{
     batch_plan, bounds_of, decode, encode, fla_dt_bias, random_a_log, random_states, rel_frobenius,
