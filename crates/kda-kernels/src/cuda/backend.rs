@@ -1,0 +1,599 @@
+//! [`CudaBackend`]: the [`Backend`] of the CUDA device, one `kda_step` launch per operation.
+//!
+//! Two ways in:
+//! - the [`Backend`] methods validate everything on the host, exactly like the CPU backend:
+//!   with a ring they first copy the batch's ring records and the accepted counts to the host
+//!   (one small synchronous read), so an argument error leaves the pool unchanged and the
+//!   layer's epoch is bumped only by calls that store;
+//! - the `enqueue_*` methods run the checks that need no device data and launch without any
+//!   synchronisation (for CUDA-graph capture and benchmarks). The kernel then clamps an
+//!   accepted count above the slot's drafts, drops the drafts of a slot that decode finds with
+//!   drafts, and records the violation in the backend's error word:
+//!   [`CudaBackend::check_device_errors`] reports it (the pool has changed by then). The
+//!   epoch is bumped by every enqueued call that may store.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding};
+
+use super::memory::{CudaBuffer, CudaMemory};
+use super::params::{KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT};
+use super::registry::{step_kernel, StepKey};
+use crate::api::{
+    Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
+    TensorViewMut,
+};
+use crate::cpu::validate::{check_layer, validate_call, CallArgs, Op};
+use crate::error::{KernelError, Result};
+
+type Buf = CudaBuffer;
+
+/// A batch prepared for the CUDA backend: the validated plan and device copies of the
+/// sequence bounds and slots (`u32`).
+pub struct CudaBatch {
+    plan: BatchPlan,
+    bounds: CudaBuffer,
+    slots: CudaBuffer,
+}
+
+impl std::fmt::Debug for CudaBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBatch").field("plan", &self.plan).finish()
+    }
+}
+
+impl AsRef<BatchPlan> for CudaBatch {
+    fn as_ref(&self) -> &BatchPlan {
+        &self.plan
+    }
+}
+
+/// The CUDA backend: one device, one stream, kernels compiled with NVRTC on first use.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    mem: CudaMemory,
+    /// `u32 [4]`: flags, first bad slot, any store, spare.
+    err: Mutex<CudaBuffer>,
+    /// Warps per CTA of eager decode (`None`: chosen per call).
+    eager_warps: Mutex<Option<u32>>,
+    num_sms: u32,
+    device_name: String,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBackend({})", self.device_name)
+    }
+}
+
+fn unavailable(reason: impl Into<String>) -> KernelError {
+    KernelError::Unavailable {
+        backend: "cuda",
+        reason: reason.into(),
+    }
+}
+
+pub(crate) fn device_err(what: &str, e: impl std::fmt::Display) -> KernelError {
+    KernelError::Device {
+        backend: "cuda",
+        msg: format!("{what}: {e}"),
+    }
+}
+
+/// The lane geometry of `kda_step` for key dim `k` (mirrors the kernel's constexprs):
+/// columns covered by one warp.
+fn warp_columns(k: usize) -> usize {
+    let lk = k.div_ceil(16).next_power_of_two().min(32);
+    (32 / lk) * 4
+}
+
+impl CudaBackend {
+    /// The backend on device 0.
+    pub fn new() -> Result<Self> {
+        Self::on_device(0)
+    }
+
+    /// The backend on device `ordinal`. No driver, no device or no NVRTC is
+    /// [`KernelError::Unavailable`].
+    pub fn on_device(ordinal: usize) -> Result<Self> {
+        // SAFETY: only tries to open the shared libraries; no CUDA call is made.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(unavailable("no CUDA driver library (libcuda) found"));
+        }
+        // SAFETY: as above, for the NVRTC library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(unavailable("no NVRTC library (libnvrtc) found"));
+        }
+        let ctx = std::panic::catch_unwind(|| -> Result<Arc<CudaContext>> {
+            let count = CudaContext::device_count().map_err(|e| unavailable(format!("{e}")))?;
+            if ordinal >= count.max(0) as usize {
+                return Err(unavailable(format!(
+                    "no CUDA device {ordinal} ({count} devices found)"
+                )));
+            }
+            CudaContext::new(ordinal).map_err(|e| unavailable(format!("device {ordinal}: {e}")))
+        })
+        .map_err(|_| unavailable("the CUDA driver library lacks a needed function"))??;
+        // One stream for everything: no cross-stream events needed (and none may be recorded
+        // inside a graph capture).
+        // SAFETY: every buffer of this backend is used on the single stream created below, so
+        // no cross-stream synchronisation is needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream: Arc<CudaStream> = ctx
+            .new_stream()
+            .map_err(|e| unavailable(format!("stream: {e}")))?;
+        let mem = CudaMemory::new(stream);
+        let err = mem.upload_slice(&[0u32, NO_SLOT, 0, 0])?;
+        let num_sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| unavailable(format!("device attribute: {e}")))? as u32;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| unavailable(format!("compute capability: {e}")))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        Ok(Self {
+            ctx,
+            mem,
+            err: Mutex::new(err),
+            eager_warps: Mutex::new(None),
+            num_sms,
+            device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
+        })
+    }
+
+    /// The device's name, compute capability and multiprocessor count.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The stream all work runs on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        self.mem.stream()
+    }
+
+    /// The context.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Fixes the warps per CTA of eager decode (1..=8), or lets the backend choose (`None`).
+    pub fn set_eager_warps(&self, warps: Option<u32>) -> Result<()> {
+        if let Some(w) = warps {
+            if !(1..=8).contains(&w) {
+                return Err(KernelError::arg(
+                    "warps",
+                    format!("is {w}; expected 1..=8"),
+                ));
+            }
+        }
+        *self.eager_warps.lock().map_err(|_| device_err("lock", "poisoned"))? = warps;
+        Ok(())
+    }
+
+    /// Waits for all enqueued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream().synchronize().map_err(|e| device_err("synchronize", e))
+    }
+
+    /// Reports (and clears) the violations the kernels recorded since the last check: an
+    /// accepted count above a slot's drafts (clamped), decode on a slot with drafts (dropped),
+    /// a corrupt ring record (clamped). Waits for all enqueued work.
+    pub fn check_device_errors(&self) -> Result<()> {
+        let mut err = self.err.lock().map_err(|_| device_err("lock", "poisoned"))?;
+        let mut words = [0u8; 16];
+        self.mem.read(&err, 0, &mut words)?;
+        let w: [u32; 4] = bytemuck::cast(words);
+        if w[0] == 0 {
+            return Ok(());
+        }
+        self.mem
+            .write(&mut err, 0, bytemuck::cast_slice(&[0u32, NO_SLOT, 0, 0]))?;
+        let slot = w[1];
+        Err(if w[0] & ERR_ACCEPTED != 0 {
+            KernelError::arg(
+                "accepted",
+                format!("exceeded the drafts of slot {slot}; the device clamped it (the pool has changed)"),
+            )
+        } else if w[0] & ERR_DECODE_DRAFTS != 0 {
+            KernelError::arg(
+                "slots",
+                format!("slot {slot} had drafts at decode; the device dropped them (the pool has changed)"),
+            )
+        } else {
+            debug_assert!(w[0] & ERR_META != 0);
+            KernelError::arg(
+                "layer",
+                format!("slot {slot} has a corrupt ring record; the device clamped it"),
+            )
+        })
+    }
+
+    /// Decode without host synchronisation (see the module docs).
+    pub fn enqueue_decode(
+        &self,
+        batch: &CudaBatch,
+        inputs: &StepInputs<'_, Buf>,
+        opts: &KdaOptions,
+        layer: &mut LayerMut<'_, Buf>,
+        out: &mut TensorViewMut<'_, Buf>,
+    ) -> Result<()> {
+        let call = Call::tokens(Op::Decode, batch, None, inputs, opts, &*out);
+        self.run(call, layer, false)
+    }
+
+    /// Speculative verify without host synchronisation (see the module docs).
+    pub fn enqueue_spec_verify(
+        &self,
+        batch: &CudaBatch,
+        accepted: &IndexView<'_, Buf>,
+        inputs: &StepInputs<'_, Buf>,
+        opts: &KdaOptions,
+        layer: &mut LayerMut<'_, Buf>,
+        out: &mut TensorViewMut<'_, Buf>,
+    ) -> Result<()> {
+        let call = Call::tokens(Op::SpecVerify, batch, Some(accepted), inputs, opts, &*out);
+        self.run(call, layer, false)
+    }
+
+    /// Replay (flush) without host synchronisation (see the module docs).
+    pub fn enqueue_replay(
+        &self,
+        batch: &CudaBatch,
+        accepted: Option<&IndexView<'_, Buf>>,
+        opts: &KdaOptions,
+        a_log: Option<&TensorView<'_, Buf>>,
+        dt_bias: Option<&TensorView<'_, Buf>>,
+        layer: &mut LayerMut<'_, Buf>,
+    ) -> Result<()> {
+        let call = Call::replay(batch, accepted, opts, a_log, dt_bias);
+        self.run(call, layer, false)
+    }
+
+    /// The ring records of the batch's slots, read from the device (default without a ring).
+    fn batch_metas(&self, layer: &LayerMut<'_, Buf>, plan: &BatchPlan) -> Result<Vec<RingMeta>> {
+        let g = layer.geometry;
+        plan.check_slots(g.total_slots())?;
+        if g.ring_len == 0 {
+            return Ok(vec![RingMeta::default(); plan.num_seqs()]);
+        }
+        let bytes = self.mem.download(layer.meta)?;
+        let all: &[RingMeta] = bytemuck::cast_slice(&bytes);
+        Ok(plan.slots.iter().map(|&s| all[s as usize]).collect())
+    }
+
+    /// Validates, then launches one `kda_step`. `exact`: read the ring records and accepted
+    /// counts back and validate them on the host (the [`Backend`] methods).
+    fn run(&self, call: Call<'_, '_>, layer: &mut LayerMut<'_, Buf>, exact: bool) -> Result<()> {
+        let g = layer.geometry;
+        let plan = &call.batch.plan;
+        let n = plan.num_seqs();
+        check_layer(&self.mem, g, layer.ssm, layer.ring, layer.meta)?;
+        if let Some((dtype, len, buf)) = call.out_shape {
+            if buf < len * dtype.size() {
+                return Err(KernelError::arg(
+                    "out",
+                    format!(
+                        "buffer has {buf} bytes; {len} elements of {dtype} need {}",
+                        len * dtype.size()
+                    ),
+                ));
+            }
+        }
+        if let Some(acc) = call.accepted {
+            if acc.len != n {
+                return Err(KernelError::arg(
+                    "accepted",
+                    format!("has {} entries; expected one per sequence ({n})", acc.len),
+                ));
+            }
+            if acc.buf.len() < n * 4 {
+                return Err(KernelError::arg(
+                    "accepted",
+                    format!("buffer has {} bytes; {n} u32 counts need {}", acc.buf.len(), n * 4),
+                ));
+            }
+        }
+        let (metas, accepted_host) = if exact {
+            let metas = self.batch_metas(layer, plan)?;
+            let acc = match call.accepted {
+                Some(a) if n > 0 => {
+                    let mut b = vec![0u8; n * 4];
+                    self.mem.read(a.buf, 0, &mut b)?;
+                    Some(bytemuck::cast_slice::<u8, u32>(&b).to_vec())
+                }
+                Some(_) => Some(Vec::new()),
+                None => None,
+            };
+            (metas, acc)
+        } else {
+            plan.check_slots(g.total_slots())?;
+            (vec![RingMeta::default(); n], None)
+        };
+        let checked = validate_call(
+            &self.mem,
+            g,
+            &CallArgs {
+                op: call.op,
+                plan,
+                inputs: call.inputs,
+                a_log: call.a_log,
+                dt_bias: call.dt_bias,
+                opts: call.opts,
+                out: call.out_shape.map(|(d, l, _)| (d, l)),
+                accepted: accepted_host.as_deref(),
+                metas: &metas,
+            },
+        )?;
+        if n == 0 || (g.ring_len == 0 && call.op != Op::Decode) {
+            // Nothing can change: no sequences, or spec_verify / replay without a ring (every
+            // sequence then has no tokens, no drafts and nothing pending).
+            return Ok(());
+        }
+        let may_store = if exact {
+            checked.stores
+        } else {
+            g.ring_len > 0 || call.op == Op::Decode
+        };
+        if may_store {
+            *layer.epoch += 1;
+        }
+        let input = match call.inputs {
+            Some(i) => i.q.dtype,
+            None => g.ring_dtype,
+        };
+        let key = StepKey {
+            state: g.state_dtype,
+            input,
+            layout: g.layout,
+            k: g.k,
+            v: g.v,
+        };
+        let func = step_kernel(&self.ctx, key)?;
+
+        let s = self.stream();
+        let ptr = |b: &CudaBuffer| b.device_ptr(s);
+        let opt_ptr = |t: Option<&TensorView<'_, Buf>>| t.map_or(0, |t| ptr(t.buf));
+        let opts = call.opts;
+        let (gate_mode, lower_bound) = match opts.gate {
+            GateMode::Activated => (0, 0.0),
+            GateMode::Softplus => (1, 0.0),
+            GateMode::LowerBound(lb) => (2, lb),
+        };
+        let (sr, seed) = match g.rounding {
+            Rounding::Nearest => (0, 0u64),
+            Rounding::Stochastic { seed } => (1, seed),
+        };
+        let ring = g.ring_len > 0;
+        let wc = warp_columns(g.k);
+        let warps_per_head = g.v.div_ceil(wc);
+        let (units, heads_per_cta, vblocks, warps) = if ring {
+            let w = warps_per_head.min(8);
+            (g.h, g.group(), 1usize, w)
+        } else {
+            let fixed = *self.eager_warps.lock().map_err(|_| device_err("lock", "poisoned"))?;
+            let w = match fixed {
+                Some(w) => w as usize,
+                None => {
+                    let w4 = warps_per_head.min(4);
+                    let ctas = n * g.hv * warps_per_head.div_ceil(w4);
+                    if ctas < 2 * self.num_sms as usize {
+                        1
+                    } else {
+                        w4
+                    }
+                }
+            };
+            (g.hv, 1usize, warps_per_head.div_ceil(w), w)
+        };
+        let grid = n * units * vblocks;
+        if grid > i32::MAX as usize {
+            return Err(KernelError::arg(
+                "slots",
+                format!("{n} sequences need {grid} CTAs; at most {} fit one launch", i32::MAX),
+            ));
+        }
+        let err = self.err.lock().map_err(|_| device_err("lock", "poisoned"))?;
+        let inputs = call.inputs;
+        let (a_log, dt_bias) = match inputs {
+            Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),
+            None => (opt_ptr(call.a_log), opt_ptr(call.dt_bias)),
+        };
+        let params = KdaParams {
+            q: inputs.map_or(0, |i| ptr(i.q.buf)),
+            k: inputs.map_or(0, |i| ptr(i.k.buf)),
+            v: inputs.map_or(0, |i| ptr(i.v.buf)),
+            g: inputs.map_or(0, |i| ptr(i.g.buf)),
+            beta: inputs.map_or(0, |i| ptr(i.beta.buf)),
+            a_log: if opts.needs_gate_params() { a_log } else { 0 },
+            dt_bias: if opts.needs_gate_params() { dt_bias } else { 0 },
+            out: call.out_buf.map_or(0, ptr),
+            ssm: ptr(layer.ssm),
+            ring: ptr(layer.ring),
+            meta: ptr(layer.meta),
+            bounds: ptr(&call.batch.bounds),
+            slots: ptr(&call.batch.slots),
+            accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
+            err: ptr(&err),
+            n_seqs: n as u32,
+            h: g.h as u32,
+            hv: g.hv as u32,
+            ring_len: g.ring_len as u32,
+            op: call.code as u32,
+            gate_mode,
+            beta_sigmoid: u32::from(opts.beta == BetaMode::Sigmoid),
+            l2norm: u32::from(opts.l2norm_qk),
+            scale: opts.scale_for(g.k),
+            lower_bound,
+            beta_factor: if opts.allow_neg_eigval { 2.0 } else { 1.0 },
+            sr,
+            seed_lo: seed as u32,
+            seed_hi: (seed >> 32) as u32,
+            layer: layer.layer as u32,
+            epoch: *layer.epoch as u32,
+            heads_per_cta: heads_per_cta as u32,
+            units: units as u32,
+            vblocks: vblocks as u32,
+            pad: 0,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (grid as u32, 1, 1),
+            block_dim: (warps as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&func);
+        b.arg(&params);
+        // SAFETY: `params` matches the kernel's `struct KdaParams` (size checked at compile
+        // time); every pointer in it refers to a live allocation validated above against the
+        // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
+        // ordered on this stream after the kernel); the grid and block fit the kernel's
+        // launch bounds (<= 256 threads).
+        unsafe { b.launch(cfg) }.map_err(|e| device_err("kda_step launch", e))?;
+        Ok(())
+    }
+}
+
+/// One call's arguments, before validation.
+struct Call<'a, 'b> {
+    op: Op,
+    code: OpCode,
+    batch: &'a CudaBatch,
+    accepted: Option<&'a IndexView<'b, Buf>>,
+    inputs: Option<&'a StepInputs<'b, Buf>>,
+    a_log: Option<&'a TensorView<'b, Buf>>,
+    dt_bias: Option<&'a TensorView<'b, Buf>>,
+    opts: &'a KdaOptions,
+    /// Output dtype, elements, buffer bytes.
+    out_shape: Option<(Dtype, usize, usize)>,
+    out_buf: Option<&'a CudaBuffer>,
+}
+
+impl<'a, 'b> Call<'a, 'b> {
+    fn tokens(
+        op: Op,
+        batch: &'a CudaBatch,
+        accepted: Option<&'a IndexView<'b, Buf>>,
+        inputs: &'a StepInputs<'b, Buf>,
+        opts: &'a KdaOptions,
+        out: &'a TensorViewMut<'_, Buf>,
+    ) -> Self {
+        Self {
+            op,
+            code: if op == Op::Decode { OpCode::Decode } else { OpCode::Spec },
+            batch,
+            accepted,
+            inputs: Some(inputs),
+            a_log: None,
+            dt_bias: None,
+            opts,
+            out_shape: Some((out.dtype, out.len, out.buf.len())),
+            out_buf: Some(&*out.buf),
+        }
+    }
+
+    fn replay(
+        batch: &'a CudaBatch,
+        accepted: Option<&'a IndexView<'b, Buf>>,
+        opts: &'a KdaOptions,
+        a_log: Option<&'a TensorView<'b, Buf>>,
+        dt_bias: Option<&'a TensorView<'b, Buf>>,
+    ) -> Self {
+        Self {
+            op: Op::Replay,
+            code: OpCode::Replay,
+            batch,
+            accepted,
+            inputs: None,
+            a_log,
+            dt_bias,
+            opts,
+            out_shape: None,
+            out_buf: None,
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Memory = CudaMemory;
+    type Batch = CudaBatch;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn memory(&self) -> &CudaMemory {
+        &self.mem
+    }
+
+    fn prepare(&self, plan: BatchPlan) -> Result<CudaBatch> {
+        let to_u32 = |x: usize, what: &'static str| {
+            u32::try_from(x).map_err(|_| {
+                KernelError::arg(what, format!("value {x} does not fit the device's u32 indices"))
+            })
+        };
+        let bounds = plan
+            .bounds
+            .iter()
+            .map(|&b| to_u32(b, "cu_seqlens"))
+            .collect::<Result<Vec<u32>>>()?;
+        let bounds = self.mem.upload_slice(&bounds)?;
+        let slots = self.mem.upload_slice(&plan.slots)?;
+        Ok(CudaBatch {
+            plan,
+            bounds,
+            slots,
+        })
+    }
+
+    fn prefill(
+        &self,
+        _batch: &CudaBatch,
+        _inputs: &StepInputs<'_, Buf>,
+        _opts: &KdaOptions,
+        _layer: &mut LayerMut<'_, Buf>,
+        _out: &mut TensorViewMut<'_, Buf>,
+    ) -> Result<()> {
+        Err(KernelError::Unsupported {
+            backend: "cuda",
+            op: "prefill",
+        })
+    }
+
+    fn decode(
+        &self,
+        batch: &CudaBatch,
+        inputs: &StepInputs<'_, Buf>,
+        opts: &KdaOptions,
+        layer: &mut LayerMut<'_, Buf>,
+        out: &mut TensorViewMut<'_, Buf>,
+    ) -> Result<()> {
+        let call = Call::tokens(Op::Decode, batch, None, inputs, opts, &*out);
+        self.run(call, layer, true)
+    }
+
+    fn spec_verify(
+        &self,
+        batch: &CudaBatch,
+        accepted: &IndexView<'_, Buf>,
+        inputs: &StepInputs<'_, Buf>,
+        opts: &KdaOptions,
+        layer: &mut LayerMut<'_, Buf>,
+        out: &mut TensorViewMut<'_, Buf>,
+    ) -> Result<()> {
+        let call = Call::tokens(Op::SpecVerify, batch, Some(accepted), inputs, opts, &*out);
+        self.run(call, layer, true)
+    }
+
+    fn replay(
+        &self,
+        batch: &CudaBatch,
+        accepted: Option<&IndexView<'_, Buf>>,
+        opts: &KdaOptions,
+        a_log: Option<&TensorView<'_, Buf>>,
+        dt_bias: Option<&TensorView<'_, Buf>>,
+        layer: &mut LayerMut<'_, Buf>,
+    ) -> Result<()> {
+        let call = Call::replay(batch, accepted, opts, a_log, dt_bias);
+        self.run(call, layer, true)
+    }
+}

@@ -1,0 +1,212 @@
+//! The lazy kernel registry: the kernel sources of `kernels/` (embedded with `include_str!`)
+//! are specialised by prepending `#define`s, compiled with NVRTC for the device's compute
+//! capability on first use, loaded, and cached for the rest of the process, one module per
+//! (device, state dtype, input dtype, layout, K, V).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use state_pool::{Dtype, StateLayout};
+
+use crate::error::{KernelError, Result};
+
+const COMPAT: &str = include_str!("../../../../kernels/kda_compat.cuh");
+const COMMON: &str = include_str!("../../../../kernels/kda_common.cuh");
+const DECODE: &str = include_str!("../../../../kernels/kda_decode.cu");
+const FILL: &str = include_str!("../../../../kernels/kda_fill.cu");
+
+/// What a `kda_step` module is specialised on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct StepKey {
+    pub state: Dtype,
+    pub input: Dtype,
+    pub layout: StateLayout,
+    pub k: usize,
+    pub v: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Key {
+    Step(StepKey),
+    Fill,
+}
+
+type Cache = Mutex<HashMap<(usize, Key), CudaFunction>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn c_type(d: Dtype) -> &'static str {
+    match d {
+        Dtype::Fp32 => "float",
+        Dtype::Fp16 => "kda_half",
+        Dtype::Bf16 => "kda_bf16",
+    }
+}
+
+/// One translation unit: the headers inlined (NVRTC gets no include files of ours), then the
+/// specialisation `#define`s, then the kernel source.
+fn source(defines: &str, body: &str) -> String {
+    let strip = |s: &str| {
+        s.lines()
+            .filter(|l| !l.trim_start().starts_with("#include \"kda_"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    format!(
+        "{}\n{}\n{defines}\n{}\n",
+        COMPAT,
+        strip(COMMON),
+        strip(body)
+    )
+}
+
+/// The full source of a `kda_step` module (also used by tests that compile it offline).
+pub(crate) fn step_source(key: &StepKey) -> String {
+    let defines = format!(
+        "#define KDA_ST {}\n#define KDA_IT {}\n#define KDA_K {}\n#define KDA_V {}\n#define KDA_VFIRST {}\n",
+        c_type(key.state),
+        c_type(key.input),
+        key.k,
+        key.v,
+        u8::from(key.layout == StateLayout::VFirst)
+    );
+    source(&defines, DECODE)
+}
+
+fn unavailable(reason: String) -> KernelError {
+    KernelError::Unavailable {
+        backend: "cuda",
+        reason,
+    }
+}
+
+fn compile(ctx: &Arc<CudaContext>, src: &str, name: &str, func: &str) -> Result<CudaFunction> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| unavailable(format!("compute capability: {e}")))?;
+    let mut include_paths = Vec::new();
+    for dir in [
+        std::env::var("CUDA_PATH").ok(),
+        std::env::var("CUDA_HOME").ok(),
+        Some("/usr/local/cuda".to_string()),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let inc = std::path::Path::new(&dir).join("include");
+        if inc.join("cuda_fp16.h").exists() {
+            include_paths.push(inc.to_string_lossy().into_owned());
+            break;
+        }
+    }
+    let opts = CompileOptions {
+        include_paths,
+        name: Some(name.to_string()),
+        options: vec![
+            format!("--gpu-architecture=sm_{major}{minor}"),
+            "--std=c++17".to_string(),
+        ],
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(src, opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => unavailable(format!(
+            "NVRTC failed to compile {name}: {}",
+            log.to_string_lossy()
+        )),
+        other => unavailable(format!("NVRTC failed on {name}: {other}")),
+    })?;
+    let module = ctx
+        .load_module(ptx)
+        .map_err(|e| unavailable(format!("loading module {name}: {e}")))?;
+    module
+        .load_function(func)
+        .map_err(|e| unavailable(format!("function {func} in {name}: {e}")))
+}
+
+fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
+    let mut map = cache()
+        .lock()
+        .map_err(|_| unavailable("kernel registry lock poisoned".into()))?;
+    if let Some(f) = map.get(&(ctx.ordinal(), key)) {
+        return Ok(f.clone());
+    }
+    let f = match key {
+        Key::Step(k) => {
+            let name = format!(
+                "kda_decode_{}_{}_{}_k{}_v{}.cu",
+                k.state.name(),
+                k.input.name(),
+                k.layout.name(),
+                k.k,
+                k.v
+            );
+            compile(ctx, &step_source(&k), &name, "kda_step")?
+        }
+        Key::Fill => compile(ctx, &source("", FILL), "kda_fill.cu", "kda_fill")?,
+    };
+    map.insert((ctx.ordinal(), key), f.clone());
+    Ok(f)
+}
+
+/// The `kda_step` kernel specialised on `key`, compiled on first use.
+pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+    get(ctx, Key::Step(key))
+}
+
+/// The `kda_fill` kernel.
+pub(crate) fn fill_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
+    get(ctx, Key::Fill)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Compiles a source for sm_90 with NVRTC; `None` when no NVRTC library is present.
+    fn try_compile(src: &str, name: &str) -> Option<std::result::Result<(), String>> {
+        // SAFETY: only tries to open the shared library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return None;
+        }
+        let opts = CompileOptions {
+            name: Some(name.into()),
+            options: vec!["--gpu-architecture=sm_90".into(), "--std=c++17".into()],
+            ..Default::default()
+        };
+        Some(
+            compile_ptx_with_opts(src, opts)
+                .map(|_| ())
+                .map_err(|e| format!("{e}")),
+        )
+    }
+
+    #[test]
+    fn every_kernel_variant_compiles_with_nvrtc() {
+        let mut keys = Vec::new();
+        for state in Dtype::ALL {
+            for layout in [StateLayout::KFirst, StateLayout::VFirst] {
+                keys.push(StepKey { state, input: Dtype::Bf16, layout, k: 128, v: 128 });
+            }
+        }
+        for (k, v, input) in [(5, 7, Dtype::Fp32), (40, 24, Dtype::Fp16), (256, 64, Dtype::Bf16)] {
+            keys.push(StepKey { state: Dtype::Fp16, input, layout: StateLayout::VFirst, k, v });
+        }
+        for key in keys {
+            match try_compile(&step_source(&key), "kda_decode.cu") {
+                None => {
+                    eprintln!("skipped: no NVRTC library on this machine");
+                    return;
+                }
+                Some(r) => r.unwrap_or_else(|e| panic!("{key:?}: {e}")),
+            }
+        }
+        if let Some(r) = try_compile(&source("", FILL), "kda_fill.cu") {
+            r.unwrap();
+        }
+    }
+}

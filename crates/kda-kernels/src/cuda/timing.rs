@@ -1,0 +1,134 @@
+//! Benchmark support on the CUDA backend: CUDA-graph capture of enqueued calls, timing with
+//! CUDA events, the device-to-device copy bandwidth, and device-side random fills (so nothing
+//! is timed on zeros and no host has to generate gigabytes).
+
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, LaunchConfig, PushKernelArg};
+use state_pool::{DeviceMemory, Dtype};
+
+use super::backend::{device_err, CudaBackend};
+use crate::api::Backend;
+use super::memory::CudaBuffer;
+use super::params::FillParams;
+use super::registry::fill_kernel;
+use crate::error::{KernelError, Result};
+
+/// A captured sequence of enqueued calls, replayable as one CUDA graph.
+pub struct CapturedGraph {
+    graph: CudaGraph,
+}
+
+impl std::fmt::Debug for CapturedGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CapturedGraph")
+    }
+}
+
+impl CapturedGraph {
+    /// Enqueues one replay of the graph.
+    pub fn launch(&self) -> Result<()> {
+        self.graph.launch().map_err(|e| device_err("graph launch", e))
+    }
+}
+
+impl CudaBackend {
+    /// Captures everything `f` enqueues on the backend's stream into a graph. Call every
+    /// operation once before capturing it, so its kernel is compiled and loaded outside the
+    /// capture.
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<CapturedGraph> {
+        let s = self.stream();
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| device_err("begin capture", e))?;
+        let body = f();
+        let graph = s.end_capture(CUgraphInstantiate_flags(0));
+        body?;
+        let graph = graph
+            .map_err(|e| device_err("end capture", e))?
+            .ok_or_else(|| device_err("end capture", "nothing was captured"))?;
+        graph.upload().map_err(|e| device_err("graph upload", e))?;
+        Ok(CapturedGraph { graph })
+    }
+
+    /// Mean device time of one replay of `graph` in microseconds: `warmup` replays, then
+    /// `replays` timed between two CUDA events.
+    pub fn time_graph(&self, graph: &CapturedGraph, warmup: usize, replays: usize) -> Result<f64> {
+        if replays == 0 {
+            return Err(KernelError::arg("replays", "is 0; expected at least 1"));
+        }
+        for _ in 0..warmup {
+            graph.launch()?;
+        }
+        let ctx = self.context();
+        let s = self.stream();
+        let ev = || {
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| device_err("event", e))
+        };
+        let (start, end) = (ev()?, ev()?);
+        start.record(s).map_err(|e| device_err("event record", e))?;
+        for _ in 0..replays {
+            graph.launch()?;
+        }
+        end.record(s).map_err(|e| device_err("event record", e))?;
+        end.synchronize().map_err(|e| device_err("event sync", e))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| device_err("event elapsed", e))?;
+        Ok(ms as f64 * 1e3 / replays as f64)
+    }
+
+    /// Device-to-device copy bandwidth in bytes per second, counting bytes read plus bytes
+    /// written: a `bytes`-byte copy captured in a graph, warmed up, then timed.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let mem = self.memory();
+        let mut src = mem.alloc_zeroed(bytes)?;
+        let dst = mem.alloc_zeroed(bytes)?;
+        self.fill_random(&mut src, Dtype::Fp32, 7, 1.0)?;
+        let s = self.stream();
+        let (sp, dp) = (src.device_ptr(s), dst.device_ptr(s));
+        let graph = self.capture(|| {
+            // SAFETY: both allocations hold `bytes` bytes and are distinct; the copy is
+            // ordered on the stream that owns them.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dp, sp, bytes, s.cu_stream()) }
+                .map_err(|e| device_err("copy", e))
+        })?;
+        let us = self.time_graph(&graph, 5, 20)?;
+        self.synchronize()?;
+        Ok(2.0 * bytes as f64 / (us * 1e-6))
+    }
+
+    /// Fills `buf` with reproducible pseudo-random values of `dtype`, uniform in
+    /// `[-scale, scale)` (the whole buffer; its length must be a multiple of the size).
+    pub fn fill_random(&self, buf: &mut CudaBuffer, dtype: Dtype, seed: u32, scale: f32) -> Result<()> {
+        let len = buf.len() / dtype.size();
+        if len == 0 {
+            return Ok(());
+        }
+        let f = fill_kernel(self.context())?;
+        let s = self.stream();
+        let p = FillParams {
+            ptr: buf.device_ptr(s),
+            len: len as u64,
+            dtype: match dtype {
+                Dtype::Fp32 => 0,
+                Dtype::Fp16 => 1,
+                Dtype::Bf16 => 2,
+            },
+            seed,
+            scale,
+            pad: 0,
+        };
+        let blocks = len.div_ceil(256).min(65536) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&f);
+        b.arg(&p);
+        // SAFETY: `p` matches `struct KdaFill`; the kernel writes `len` elements of `dtype`
+        // inside `buf`, which is live and used only on this stream.
+        unsafe { b.launch(cfg) }.map_err(|e| device_err("kda_fill launch", e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,180 @@
+// Element load/store and rounding shared by the KDA kernels.
+//
+// Mirrors crates/kda-kernels/src/rounding.rs BIT FOR BIT: mix32, sr_base, sr_bits, sr_bf16,
+// sr_f16. Every float operation of the rounding helpers is an explicit round-to-nearest
+// intrinsic (__fmul_rn, __fadd_rn, __fsub_rn), so the compiler cannot contract them into FMAs,
+// and scaling is done by multiplications with exact powers of two, never by divisions.
+#pragma once
+#include "kda_compat.cuh"
+
+typedef unsigned int kda_u32;
+typedef unsigned long long kda_u64;
+
+// ---------------------------------------------------------------------------------------------
+// Up-casts (exact) and round-to-nearest-even stores of one element.
+
+__device__ __forceinline__ float kda_load(float x) { return x; }
+__device__ __forceinline__ float kda_load(kda_half x) { return kda_half_to_float(x); }
+__device__ __forceinline__ float kda_load(kda_bf16 x) { return kda_bf16_to_float(x); }
+
+template <typename T> struct KdaElem;
+
+template <> struct KdaElem<float> {
+    static __device__ __forceinline__ float from_f32(float x) { return x; }
+};
+template <> struct KdaElem<kda_half> {
+    static __device__ __forceinline__ kda_half from_f32(float x) { return kda_float_to_half(x); }
+};
+template <> struct KdaElem<kda_bf16> {
+    static __device__ __forceinline__ kda_bf16 from_f32(float x) { return kda_float_to_bf16(x); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The counter-based RNG of stochastic rounding (rounding.rs).
+
+// lowbias32: a bijective 32-bit integer hash (Wellons).
+__device__ __forceinline__ kda_u32 kda_mix32(kda_u32 x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+// The per-(seed, layer, slot, epoch) base of the stream.
+__device__ __forceinline__ kda_u32 kda_sr_base(kda_u64 seed, kda_u32 layer, kda_u32 slot,
+                                               kda_u32 epoch) {
+    kda_u32 s = kda_mix32((kda_u32)seed ^ kda_mix32((kda_u32)(seed >> 32) ^ 0x9e3779b9u));
+    return kda_mix32(kda_mix32(kda_mix32(s ^ layer) ^ slot) ^ epoch);
+}
+
+// The random bits of element `elem` (its offset in the slot's ssm plane).
+__device__ __forceinline__ kda_u32 kda_sr_bits(kda_u32 base, kda_u32 elem) {
+    return kda_mix32(base ^ (elem * 0x9e3779b9u));
+}
+
+// Stochastic rounding to bf16: add the low 16 random bits below the kept mantissa, truncate.
+__device__ __forceinline__ kda_bf16 kda_sr_bf16(float x, kda_u32 r) {
+    if (!isfinite(x)) return kda_float_to_bf16(x);
+    kda_u32 bits = (__float_as_uint(x) + (r & 0xffffu)) & 0xffff0000u;
+    return KDA_BF16_FROM_BITS(bits >> 16);
+}
+
+// Stochastic rounding to fp16 (subnormals included): up with probability equal to the
+// discarded fraction of an ulp; values that round to nearest to infinity give infinity.
+__device__ __forceinline__ kda_half kda_sr_f16(float x, kda_u32 r) {
+    if (!isfinite(x)) return kda_float_to_half(x);
+    float m = fabsf(x);
+    if (m >= 65520.0f) return kda_float_to_half(x);
+    // Exponent of m, clamped at fp16's smallest normal exponent; the fp16 ulp is 2^(e-10).
+    int e = (m >= 6.103515625e-05f) ? (int)(__float_as_uint(m) >> 23) - 127 : -14;
+    float ulp = __uint_as_float((kda_u32)(e - 10 + 127) << 23);
+    float inv_ulp = __uint_as_float((kda_u32)(127 - (e - 10)) << 23);
+    float lo = __fmul_rn(floorf(__fmul_rn(m, inv_ulp)), ulp);
+    float frac = __fmul_rn(__fsub_rn(m, lo), inv_ulp);
+    float u = __fmul_rn((float)(r >> 8), 5.9604644775390625e-08f);  // 2^-24
+    float y = (u < frac) ? __fadd_rn(lo, ulp) : lo;
+    return kda_float_to_half(copysignf(fminf(y, 65504.0f), x));
+}
+
+// Stochastic store of one element of type T (exact for f32).
+template <typename T> struct KdaSr;
+template <> struct KdaSr<float> {
+    static __device__ __forceinline__ float round(float x, kda_u32) { return x; }
+};
+template <> struct KdaSr<kda_half> {
+    static __device__ __forceinline__ kda_half round(float x, kda_u32 r) { return kda_sr_f16(x, r); }
+};
+template <> struct KdaSr<kda_bf16> {
+    static __device__ __forceinline__ kda_bf16 round(float x, kda_u32 r) { return kda_sr_bf16(x, r); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Vector loads and stores of N consecutive elements (N * sizeof(T) in 4, 8 or 16 bytes, the
+// pointer aligned to that size), up-cast to / rounded from f32.
+
+template <int BYTES> struct KdaRaw;
+template <> struct KdaRaw<2> { typedef unsigned short t; };
+template <> struct KdaRaw<4> { typedef unsigned int t; };
+template <> struct KdaRaw<8> { typedef uint2 t; };
+template <> struct KdaRaw<16> { typedef uint4 t; };
+
+template <typename T> __device__ __forceinline__ float kda_from_bits(unsigned short b);
+template <> __device__ __forceinline__ float kda_from_bits<kda_half>(unsigned short b) {
+    return kda_half_to_float(KDA_HALF_FROM_BITS(b));
+}
+template <> __device__ __forceinline__ float kda_from_bits<kda_bf16>(unsigned short b) {
+    return __uint_as_float(((kda_u32)b) << 16);
+}
+__device__ __forceinline__ unsigned short kda_bits(kda_half h) { return KDA_HALF_BITS(h); }
+__device__ __forceinline__ unsigned short kda_bits(kda_bf16 h) { return KDA_BF16_BITS(h); }
+
+// Unpacks `words` 32-bit words of raw data into f32 values.
+template <typename T, int N>
+__device__ __forceinline__ void kda_unpack(const kda_u32 (&w)[(N * sizeof(T) + 3) / 4], float (&out)[N]) {
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) out[i] = __uint_as_float(w[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            kda_u32 word = w[i / 2];
+            out[i] = kda_from_bits<T>((unsigned short)((i & 1) ? (word >> 16) : (word & 0xffffu)));
+        }
+    }
+}
+
+// Loads N elements at p (aligned to N * sizeof(T) bytes, a power of two <= 16) as f32.
+template <typename T, int N>
+__device__ __forceinline__ void kda_load_vec(const T* p, float (&out)[N]) {
+    constexpr int BYTES = N * (int)sizeof(T);
+    constexpr int WORDS = (BYTES + 3) / 4;
+    kda_u32 w[WORDS];
+    if constexpr (BYTES == 16) {
+        uint4 x = *reinterpret_cast<const uint4*>(p);
+        w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w;
+    } else if constexpr (BYTES == 8) {
+        uint2 x = *reinterpret_cast<const uint2*>(p);
+        w[0] = x.x; w[1] = x.y;
+    } else if constexpr (BYTES == 4) {
+        w[0] = *reinterpret_cast<const kda_u32*>(p);
+    } else {
+        static_assert(BYTES == 2, "vector of 2, 4, 8 or 16 bytes");
+        w[0] = *reinterpret_cast<const unsigned short*>(p);
+    }
+    kda_unpack<T, N>(w, out);
+}
+
+// Packs N rounded elements into 32-bit words.
+template <typename T, int N>
+__device__ __forceinline__ void kda_pack(const T (&v)[N], kda_u32 (&w)[(N * sizeof(T) + 3) / 4]) {
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = __float_as_uint(v[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < (N + 1) / 2; ++i) w[i] = 0;
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i / 2] |= ((kda_u32)kda_bits(v[i])) << ((i & 1) * 16);
+    }
+}
+
+// Stores N elements (already rounded) at p (aligned like kda_load_vec).
+template <typename T, int N>
+__device__ __forceinline__ void kda_store_vec(T* p, const T (&v)[N]) {
+    constexpr int BYTES = N * (int)sizeof(T);
+    constexpr int WORDS = (BYTES + 3) / 4;
+    kda_u32 w[WORDS];
+    kda_pack<T, N>(v, w);
+    if constexpr (BYTES == 16) {
+        *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else if constexpr (BYTES == 8) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    } else if constexpr (BYTES == 4) {
+        *reinterpret_cast<kda_u32*>(p) = w[0];
+    } else {
+        static_assert(BYTES == 2, "vector of 2, 4, 8 or 16 bytes");
+        *reinterpret_cast<unsigned short*>(p) = (unsigned short)w[0];
+    }
+}

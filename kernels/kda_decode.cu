@@ -1,0 +1,575 @@
+// KDA decode, spec_verify and replay over the replay ring (docs/architecture.md, "The replay
+// ring"; spec section 2 for the token step). One kernel, templated through macros on the state
+// element (KDA_ST), the input/ring/output element (KDA_IT), the layout (KDA_VFIRST) and the
+// head dims (KDA_K, KDA_V); f32 arithmetic with f32 accumulation.
+//
+// Work split. A CTA handles one sequence and one "unit" of heads, and a block of value columns:
+// - eager decode (ring_len == 0): a unit is one value head and the CTAs of a head split V;
+// - with a ring: a unit is one q/k head with its whole GVA group of value heads and all V
+//   columns, so a CTA owns every ring datum it reads and writes (k of its q/k head, v, g and
+//   beta of its value heads) and the commit path, which overwrites entries 0..T, cannot race
+//   with another CTA still reading them as pending entries.
+// Inside a CTA each warp owns LV x TV value columns over all K rows: lane (lk, lv) holds TK rows
+// x TV columns of the f32 state in registers, so the K reductions of a token stay inside the
+// warp (butterfly shuffles, every lane ends with the same bits). The same lane mapping serves
+// eager decode and the ring, so an fp32 pool gives the same bits on either path.
+//
+// Ring bookkeeping (hazard: every CTA of a slot reads the slot's RingMeta first). Thread 0 of
+// each CTA reads it at the start; the new len/pending are written only by the CTA that arrives
+// last on the `arrive` counter (atomicAdd after its own reads), which then resets it to 0.
+//
+// Device-side checks. Accepted counts and the ring records live in device memory. The
+// synchronous backend methods validate them on the host first; the enqueue path does not, so
+// the kernel clamps `accepted` to the slot's drafts, drops the drafts of a slot that decode
+// finds with drafts, and records such violations in the error word (err[0] flags, err[1] the
+// first slot), which the backend checks on request.
+#include "kda_common.cuh"
+
+#ifndef KDA_ST
+#define KDA_ST float
+#endif
+#ifndef KDA_IT
+#define KDA_IT float
+#endif
+#ifndef KDA_K
+#define KDA_K 128
+#endif
+#ifndef KDA_V
+#define KDA_V 128
+#endif
+#ifndef KDA_VFIRST
+#define KDA_VFIRST 0
+#endif
+
+// Must match crates/kda-kernels/src/cuda/params.rs field for field.
+struct KdaParams {
+    kda_u64 q, k, v, g, beta;        // [T,H,K] [T,H,K] [T,HV,V] [T,HV,K] [T,HV] of KDA_IT
+    kda_u64 a_log, dt_bias;          // f32 [HV], [HV*K]; 0 when the gate is activated
+    kda_u64 out;                     // [T,HV,V] of KDA_IT
+    kda_u64 ssm, ring, meta;         // the layer's planes
+    kda_u64 bounds, slots, accepted; // u32 [N+1], u32 [N], u32 [N] (0: none)
+    kda_u64 err;                     // u32 [4]: flags, first bad slot, any store, spare
+    kda_u32 n_seqs, h, hv, ring_len;
+    kda_u32 op;                      // KDA_OP_*
+    kda_u32 gate_mode;               // 0 activated, 1 softplus, 2 lower bound
+    kda_u32 beta_sigmoid, l2norm;
+    float scale, lower_bound, beta_factor;
+    kda_u32 sr;                      // 1: stochastic rounding of state stores
+    kda_u32 seed_lo, seed_hi, layer, epoch;
+    kda_u32 heads_per_cta;           // value heads per CTA (GVA group with a ring, else 1)
+    kda_u32 units;                   // CTA units per sequence (H with a ring, else HV)
+    kda_u32 vblocks;                 // CTAs per unit along V (1 with a ring)
+    kda_u32 pad;
+};
+
+#define KDA_OP_DECODE 0u
+#define KDA_OP_SPEC 1u
+#define KDA_OP_REPLAY 2u
+#define KDA_ERR_ACCEPTED 1u      // accepted > drafts: clamped
+#define KDA_ERR_DECODE_DRAFTS 2u // decode on a slot with drafts: drafts dropped
+#define KDA_ERR_META 4u          // corrupt ring record: clamped
+#define KDA_NONE 0xffffffffu
+
+namespace kda {
+
+typedef KDA_ST ST;
+typedef KDA_IT IT;
+constexpr int K = KDA_K;
+constexpr int V = KDA_V;
+constexpr bool VFIRST = KDA_VFIRST != 0;
+
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int pow2ceil(int x) { return x <= 1 ? 1 : 2 * pow2ceil((x + 1) / 2); }
+__host__ __device__ constexpr int roundup(int x, int m) { return (x + m - 1) / m * m; }
+
+// Lanes along K (a power of two) and along V; TK rows x TV columns per lane.
+constexpr int LK = cmin(32, pow2ceil((K + 15) / 16));
+constexpr int LV = 32 / LK;
+constexpr int TV = 4;
+constexpr int SV = 16 / (int)sizeof(ST); // elements of one 16-byte vector
+// Rows of a lane come in groups of RG consecutive rows: group j of lane lk starts at row
+// (j * LK + lk) * RG. V-first loads one 16-byte vector per group (RG = SV); K-first keeps a
+// lane's rows contiguous (one group) and loads TV consecutive columns per row.
+constexpr int RG_VF = (K % SV == 0) ? SV : 1;
+constexpr int TK = VFIRST ? roundup((K + LK - 1) / LK, RG_VF) : (K + LK - 1) / LK;
+constexpr int RG = VFIRST ? RG_VF : TK;
+constexpr int NG = TK / RG;
+constexpr bool KF_VEC = (V % TV == 0); // K-first: TV columns as one vector
+constexpr int KS = roundup(LK * TK, 4); // smem row stride of per-row values (padded K)
+constexpr int VS = roundup(V, 4);
+constexpr int WC = LV * TV;             // columns of one warp
+constexpr int TC = cmax(1, cmin(8, 12288 / (3 * KS + VS))); // tokens per smem chunk
+constexpr int KL = (K + 31) / 32;       // per-lane values of a K row in the prepass
+
+__device__ __forceinline__ int row_of(int lk, int r) {
+    return ((r / RG) * LK + lk) * RG + (r % RG);
+}
+
+// Loads this lane's TK per-row values of a padded K row in shared memory.
+__device__ __forceinline__ void rows_from_smem(const float* base, int lk, float (&dst)[TK]) {
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+        const float* p = base + (j * LK + lk) * RG;
+        if constexpr (RG % 4 == 0) {
+#pragma unroll
+            for (int m = 0; m < RG / 4; ++m) {
+                float4 x = reinterpret_cast<const float4*>(p)[m];
+                dst[j * RG + 4 * m + 0] = x.x;
+                dst[j * RG + 4 * m + 1] = x.y;
+                dst[j * RG + 4 * m + 2] = x.z;
+                dst[j * RG + 4 * m + 3] = x.w;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < RG; ++e) dst[j * RG + e] = p[e];
+        }
+    }
+}
+
+// Sums TV values over the LK lanes of a column group; every lane gets the same bits.
+__device__ __forceinline__ void reduce_k(float (&x)[TV]) {
+#pragma unroll
+    for (int m = LV; m < 32; m <<= 1) {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) x[c] += KDA_SHFL_XOR(x[c], m);
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) x += KDA_SHFL_XOR(x, m);
+    return x;
+}
+
+// The lane's state tile of one value head: TK rows x TV columns starting at column col0.
+__device__ __forceinline__ void load_tile(const ST* head, int lk, int col0, float (&s)[TK][TV]) {
+    if constexpr (!VFIRST) {
+#pragma unroll
+        for (int r = 0; r < TK; ++r) {
+            const int kr = row_of(lk, r);
+            if constexpr (KF_VEC) {
+                float tmp[TV];
+                if (kr < K && col0 < V) {
+                    kda_load_vec<ST, TV>(head + (size_t)kr * V + col0, tmp);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < TV; ++c) tmp[c] = 0.0f;
+                }
+#pragma unroll
+                for (int c = 0; c < TV; ++c) s[r][c] = tmp[c];
+            } else {
+#pragma unroll
+                for (int c = 0; c < TV; ++c) {
+                    const int col = col0 + c;
+                    s[r][c] = (kr < K && col < V) ? kda_load(head[(size_t)kr * V + col]) : 0.0f;
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) {
+            const int col = col0 + c;
+#pragma unroll
+            for (int j = 0; j < NG; ++j) {
+                const int k0 = (j * LK + lk) * RG;
+                float tmp[RG];
+                if constexpr (RG > 1) {
+                    if (col < V && k0 < K) {
+                        kda_load_vec<ST, RG>(head + (size_t)col * K + k0, tmp);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < RG; ++e) tmp[e] = 0.0f;
+                    }
+                } else {
+                    tmp[0] = (col < V && k0 < K) ? kda_load(head[(size_t)col * K + k0]) : 0.0f;
+                }
+#pragma unroll
+                for (int e = 0; e < RG; ++e) s[j * RG + e][c] = tmp[e];
+            }
+        }
+    }
+}
+
+// Rounds one element for a store: nearest even, or stochastic with the element's offset
+// `elem` in the slot's ssm plane.
+__device__ __forceinline__ ST round_elem(float x, bool sr, kda_u32 base, kda_u32 elem) {
+    return sr ? KdaSr<ST>::round(x, kda_sr_bits(base, elem)) : KdaElem<ST>::from_f32(x);
+}
+
+// Stores the lane's tile; `elem0` is the head's offset in the slot's ssm plane (hv * K * V).
+__device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const float (&s)[TK][TV],
+                                           bool sr, kda_u32 base, kda_u32 elem0) {
+    if constexpr (!VFIRST) {
+#pragma unroll
+        for (int r = 0; r < TK; ++r) {
+            const int kr = row_of(lk, r);
+            if (kr >= K) continue;
+            if constexpr (KF_VEC) {
+                if (col0 >= V) continue;
+                ST tmp[TV];
+#pragma unroll
+                for (int c = 0; c < TV; ++c)
+                    tmp[c] = round_elem(s[r][c], sr, base, elem0 + (kda_u32)(kr * V + col0 + c));
+                kda_store_vec<ST, TV>(head + (size_t)kr * V + col0, tmp);
+            } else {
+#pragma unroll
+                for (int c = 0; c < TV; ++c) {
+                    const int col = col0 + c;
+                    if (col < V)
+                        head[(size_t)kr * V + col] =
+                            round_elem(s[r][c], sr, base, elem0 + (kda_u32)(kr * V + col));
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) {
+            const int col = col0 + c;
+            if (col >= V) continue;
+#pragma unroll
+            for (int j = 0; j < NG; ++j) {
+                const int k0 = (j * LK + lk) * RG;
+                if (k0 >= K) continue;
+                ST tmp[RG];
+#pragma unroll
+                for (int e = 0; e < RG; ++e)
+                    tmp[e] = round_elem(s[j * RG + e][c], sr, base, elem0 + (kda_u32)(col * K + k0 + e));
+                if constexpr (RG > 1) {
+                    kda_store_vec<ST, RG>(head + (size_t)col * K + k0, tmp);
+                } else {
+                    head[(size_t)col * K + k0] = tmp[0];
+                }
+            }
+        }
+    }
+}
+
+struct Smem {
+    float k[TC][KS];     // activated key
+    float d[TC][KS];     // decay exp(g)
+    float q[TC][KS];     // activated, scaled query (new tokens)
+    float v[TC][VS];     // value (the columns of the current chunk)
+    float beta[TC];      // activated beta
+};
+
+// Per-CTA plan of the sequence, decided by thread 0.
+struct Plan {
+    kda_u32 pend;        // ring entries folded first
+    kda_u32 store_after; // store the state after this many combined tokens (KDA_NONE: never)
+    kda_u32 append_at;   // new tokens go to ring entries append_at.. (KDA_NONE: not at all)
+    kda_u32 new_len, new_pending;
+};
+
+__device__ __forceinline__ float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Activates the tokens [t0, t0 + tc) of the combined sequence (pending ring entries, then the
+// new tokens) into shared memory: one warp per token.
+__device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan& pl, kda_u32 slot,
+                                        kda_u32 bos, int hv, int h, int t0, int tc, int cbeg, int cend,
+                                        float a_exp) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+    for (int t = warp; t < tc; t += nwarps) {
+        const kda_u32 tt = (kda_u32)(t0 + t);
+        const bool fresh = tt >= pl.pend;
+        const IT *kp, *vp, *gp, *bp, *qp = nullptr;
+        if (!fresh) {
+            const IT* base = reinterpret_cast<const IT*>(p.ring) + ((size_t)slot * p.ring_len + tt) * entry;
+            kp = base + (size_t)h * K;
+            vp = base + (size_t)p.h * K + (size_t)hv * V;
+            gp = base + (size_t)p.h * K + (size_t)p.hv * V + (size_t)hv * K;
+            bp = base + (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv;
+        } else {
+            const size_t tok = bos + (tt - pl.pend);
+            kp = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
+            qp = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
+            vp = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V;
+            gp = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K;
+            bp = reinterpret_cast<const IT*>(p.beta) + tok * p.hv + hv;
+        }
+        // key (l2-normalised when asked)
+        float x[KL];
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < KL; ++i) {
+            const int kk = lane + 32 * i;
+            x[i] = kk < K ? kda_load(kp[kk]) : 0.0f;
+            ss += x[i] * x[i];
+        }
+        if (p.l2norm) {
+            const float nrm = sqrtf(warp_sum(ss) + 1e-6f);
+#pragma unroll
+            for (int i = 0; i < KL; ++i) x[i] = x[i] / nrm;
+        }
+#pragma unroll
+        for (int i = 0; i < KL; ++i) {
+            const int kk = lane + 32 * i;
+            if (kk < K) sm.k[t][kk] = x[i];
+        }
+        // query (new tokens only): l2-normalised when asked, then scaled
+        if (fresh) {
+            ss = 0.0f;
+#pragma unroll
+            for (int i = 0; i < KL; ++i) {
+                const int kk = lane + 32 * i;
+                x[i] = kk < K ? kda_load(qp[kk]) : 0.0f;
+                ss += x[i] * x[i];
+            }
+            if (p.l2norm) {
+                const float nrm = sqrtf(warp_sum(ss) + 1e-6f);
+#pragma unroll
+                for (int i = 0; i < KL; ++i) x[i] = x[i] / nrm;
+            }
+#pragma unroll
+            for (int i = 0; i < KL; ++i) {
+                const int kk = lane + 32 * i;
+                if (kk < K) sm.q[t][kk] = x[i] * p.scale;
+            }
+        }
+        // decay exp(g)
+        const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
+#pragma unroll
+        for (int i = 0; i < KL; ++i) {
+            const int kk = lane + 32 * i;
+            if (kk < K) {
+                const float raw = kda_load(gp[kk]);
+                float lg;
+                if (p.gate_mode == 1u) {
+                    lg = -a_exp * softplus(raw + bias[kk]);
+                } else if (p.gate_mode == 2u) {
+                    lg = p.lower_bound * sigmoid(a_exp * (raw + bias[kk]));
+                } else {
+                    lg = raw;
+                }
+                sm.d[t][kk] = expf(lg);
+            }
+        }
+        // padding rows: zero key and query, unit decay (the padded state rows stay 0)
+        for (int kk = K + lane; kk < KS; kk += 32) {
+            sm.k[t][kk] = 0.0f;
+            sm.q[t][kk] = 0.0f;
+            sm.d[t][kk] = 1.0f;
+        }
+        // values of the chunk's columns
+        for (int c = cbeg + lane; c < cend; c += 32) sm.v[t][c] = c < V ? kda_load(vp[c]) : 0.0f;
+        if (lane == 0) {
+            const float b = kda_load(bp[0]);
+            sm.beta[t] = (p.beta_sigmoid ? sigmoid(b) : b) * p.beta_factor;
+        }
+    }
+}
+
+} // namespace kda
+
+using namespace kda;
+
+extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p) {
+    __shared__ __align__(16) Smem sm;
+    __shared__ Plan s_plan;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int lk = lane / LV, lv = lane % LV;
+    const kda_u32 per_seq = p.units * p.vblocks;
+    const kda_u32 n = blockIdx.x / per_seq;
+    const kda_u32 rem = blockIdx.x % per_seq;
+    const kda_u32 unit = rem / p.vblocks, vb = rem % p.vblocks;
+    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
+    const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+    const kda_u32 bos = bounds[n];
+    const kda_u32 nnew = bounds[n + 1] - bos;
+    kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
+    kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
+    const bool first_cta = unit == 0 && vb == 0;
+
+    if (threadIdx.x == 0) {
+        Plan pl;
+        pl.append_at = KDA_NONE;
+        pl.new_len = pl.new_pending = 0;
+        if (p.ring_len == 0) {
+            pl.pend = 0;
+            pl.store_after = (p.op == KDA_OP_DECODE && nnew > 0) ? nnew : KDA_NONE;
+        } else {
+            volatile kda_u32* vm = meta;
+            kda_u32 len = vm[0], pending = vm[1];
+            kda_u32 flags = 0;
+            if (len > p.ring_len || pending > len) {
+                flags |= KDA_ERR_META;
+                len = min(len, p.ring_len);
+                pending = min(pending, len);
+            }
+            const kda_u32 drafts = len - pending;
+            kda_u32 acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
+            if (p.op == KDA_OP_DECODE) {
+                acc = 0;
+                if (drafts > 0) flags |= KDA_ERR_DECODE_DRAFTS;
+            }
+            if (acc > drafts) {
+                flags |= KDA_ERR_ACCEPTED;
+                acc = drafts;
+            }
+            pl.pend = pending + acc;
+            if (p.op == KDA_OP_REPLAY) {
+                pl.store_after = pl.pend > 0 ? pl.pend : KDA_NONE;
+            } else if (pl.pend + nnew <= p.ring_len) {
+                pl.store_after = KDA_NONE;
+                pl.append_at = pl.pend;
+                pl.new_len = pl.pend + nnew;
+                pl.new_pending = p.op == KDA_OP_DECODE ? pl.pend + nnew : pl.pend;
+            } else {
+                pl.store_after = pl.pend;
+                pl.append_at = 0;
+                pl.new_len = nnew;
+                pl.new_pending = p.op == KDA_OP_DECODE ? nnew : 0u;
+            }
+            if (flags && first_cta) {
+                atomicOr(err, flags);
+                atomicCAS(err + 1, KDA_NONE, slot);
+            }
+        }
+        if (pl.store_after != KDA_NONE && first_cta) atomicOr(err + 2, 1u);
+        s_plan = pl;
+    }
+    __syncthreads();
+    const Plan pl = s_plan;
+    const int ntok = (int)(pl.pend + nnew);
+    const bool work = nnew > 0 || pl.store_after != KDA_NONE;
+
+    if (work) {
+        const int hpc = (int)p.heads_per_cta;
+        const int group = (int)(p.hv / p.h);
+        const int cc = nwarps * WC; // columns per chunk
+        const int nchunks = (V + cc - 1) / cc;
+        const kda_u32 sr_base =
+            p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, p.epoch) : 0u;
+        for (int j = 0; j < hpc; ++j) {
+            const int hv = (int)unit * hpc + j;
+            const int h = hv / group;
+            const float a_exp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+            ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)slot * p.hv + hv) * ((size_t)K * V);
+            const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+            for (int chunk = (int)vb; chunk < nchunks; chunk += (int)p.vblocks) {
+                const int cbeg = chunk * cc;
+                const int cend = min(cbeg + cc, VS);
+                const int col0 = cbeg + warp * WC + lv * TV;
+                float s[TK][TV];
+                load_tile(head, lk, col0, s);
+                for (int t0 = 0; t0 < ntok; t0 += TC) {
+                    const int tc = min(TC, ntok - t0);
+                    __syncthreads();
+                    prepass(sm, p, pl, slot, bos, hv, h, t0, tc, cbeg, cend, a_exp);
+                    __syncthreads();
+                    for (int t = 0; t < tc; ++t) {
+                        const kda_u32 tt = (kda_u32)(t0 + t);
+                        // 1) decay the rows, 2) k S
+                        float acc[TV];
+#pragma unroll
+                        for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
+                        {
+                            float kv[TK], dv[TK];
+                            rows_from_smem(sm.k[t], lk, kv);
+                            rows_from_smem(sm.d[t], lk, dv);
+#pragma unroll
+                            for (int r = 0; r < TK; ++r) {
+#pragma unroll
+                                for (int c = 0; c < TV; ++c) {
+                                    s[r][c] = s[r][c] * dv[r];
+                                    acc[c] = fmaf(kv[r], s[r][c], acc[c]);
+                                }
+                            }
+                        }
+                        reduce_k(acc);
+                        // 3) u = beta (v - k S), rank-1 update; 4) read-out for new tokens
+                        const float bt = sm.beta[t];
+                        float u[TV];
+#pragma unroll
+                        for (int c = 0; c < TV; ++c) {
+                            const int col = col0 + c;
+                            const float vv = col < V ? sm.v[t][col] : 0.0f;
+                            u[c] = bt * (vv - acc[c]);
+                        }
+                        float kv[TK];
+                        rows_from_smem(sm.k[t], lk, kv);
+                        if (tt >= pl.pend) {
+                            float qv[TK];
+                            rows_from_smem(sm.q[t], lk, qv);
+                            float o[TV];
+#pragma unroll
+                            for (int c = 0; c < TV; ++c) o[c] = 0.0f;
+#pragma unroll
+                            for (int r = 0; r < TK; ++r) {
+#pragma unroll
+                                for (int c = 0; c < TV; ++c) {
+                                    s[r][c] = fmaf(kv[r], u[c], s[r][c]);
+                                    o[c] = fmaf(qv[r], s[r][c], o[c]);
+                                }
+                            }
+                            reduce_k(o);
+                            if (lk == 0 && col0 < V) {
+                                const size_t tok = bos + (tt - pl.pend);
+                                IT* op = reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0;
+                                IT ov[TV];
+#pragma unroll
+                                for (int c = 0; c < TV; ++c) ov[c] = KdaElem<IT>::from_f32(o[c]);
+                                if constexpr (KF_VEC) {
+                                    kda_store_vec<IT, TV>(op, ov);
+                                } else {
+#pragma unroll
+                                    for (int c = 0; c < TV; ++c)
+                                        if (col0 + c < V) op[c] = ov[c];
+                                }
+                            }
+                        } else {
+#pragma unroll
+                            for (int r = 0; r < TK; ++r) {
+#pragma unroll
+                                for (int c = 0; c < TV; ++c) s[r][c] = fmaf(kv[r], u[c], s[r][c]);
+                            }
+                        }
+                        if (tt + 1 == pl.store_after) store_tile(head, lk, col0, s, p.sr != 0, sr_base, elem0);
+                    }
+                }
+            }
+        }
+    }
+
+    if (p.ring_len > 0) {
+        // Append the new tokens' raw inputs. This CTA's ring reads are all done (each prepass is
+        // followed by a barrier), and no other CTA reads the data written here.
+        if (pl.append_at != KDA_NONE && nnew > 0) {
+            __syncthreads();
+            const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+            const int h = (int)unit;
+            const int hv0 = h * (int)p.heads_per_cta, hpc = (int)p.heads_per_cta;
+            IT* ring = reinterpret_cast<IT*>(p.ring);
+            const IT* ik = reinterpret_cast<const IT*>(p.k);
+            const IT* iv = reinterpret_cast<const IT*>(p.v);
+            const IT* ig = reinterpret_cast<const IT*>(p.g);
+            const IT* ib = reinterpret_cast<const IT*>(p.beta);
+            for (kda_u32 j = 0; j < nnew; ++j) {
+                const size_t tok = bos + j;
+                IT* e = ring + ((size_t)slot * p.ring_len + pl.append_at + j) * entry;
+                for (int i = threadIdx.x; i < K; i += blockDim.x)
+                    e[(size_t)h * K + i] = ik[(tok * p.h + h) * K + i];
+                for (int i = threadIdx.x; i < hpc * V; i += blockDim.x)
+                    e[(size_t)p.h * K + (size_t)hv0 * V + i] = iv[(tok * p.hv + hv0) * V + i];
+                for (int i = threadIdx.x; i < hpc * K; i += blockDim.x)
+                    e[(size_t)p.h * K + (size_t)p.hv * V + (size_t)hv0 * K + i] = ig[(tok * p.hv + hv0) * K + i];
+                for (int i = threadIdx.x; i < hpc; i += blockDim.x)
+                    e[(size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv0 + i] = ib[tok * p.hv + hv0 + i];
+            }
+        }
+        // The new bookkeeping, written by the last CTA of the slot to arrive.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const kda_u32 old = atomicAdd(meta + 2, 1u);
+            if (old == per_seq - 1) {
+                meta[0] = pl.new_len;
+                meta[1] = pl.new_pending;
+                meta[2] = 0u;
+            }
+        }
+    }
+}
