@@ -6,8 +6,8 @@ mod common;
 
 use common::{any_case, case_with, dtype, fp32_case, options};
 use kda_kernels::testing::{
-    check_decode_matches_prefill, check_ring_decode_matches_eager,
-    check_spec_verify_matches_eager, Case,
+    check_decode_matches_prefill, check_ring_decode_matches_eager, check_spec_verify_matches_eager,
+    Case,
 };
 use kda_kernels::CpuBackend;
 use proptest::prelude::*;

@@ -62,13 +62,20 @@ fn prefill_at_the_production_head_size_matches_the_f64_recurrence() {
             ..Case::new(2, 4, 128, 128).with_seqs(&[150, 1, 0], &[3, 0, 1])
         };
         let (eo, es) = check_prefill_matches_reference(&CpuBackend, &case, 128);
-        assert!(eo <= 1e-5 && es <= 1e-5, "{layout:?}: errors {eo:.2e} {es:.2e}");
+        assert!(
+            eo <= 1e-5 && es <= 1e-5,
+            "{layout:?}: errors {eo:.2e} {es:.2e}"
+        );
     }
 }
 
 #[test]
 fn prefill_matches_the_f64_recurrence_for_every_option_combination() {
-    let gates = [GateMode::Activated, GateMode::Softplus, GateMode::LowerBound(-5.0)];
+    let gates = [
+        GateMode::Activated,
+        GateMode::Softplus,
+        GateMode::LowerBound(-5.0),
+    ];
     let betas = [BetaMode::Activated, BetaMode::Sigmoid];
     let mut seed = 0;
     for gate in gates {

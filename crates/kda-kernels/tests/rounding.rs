@@ -22,7 +22,7 @@ proptest! {
         let commits = check_ring_rounds_once_per_commit(&CpuBackend, &case, steps, seed);
         let n = case.slots.len();
         // Eager decode stores every token; a ring stores every ring_len tokens, plus the flush.
-        let most = if case.ring_len == 0 { steps * n } else { (steps / case.ring_len + 1) * n };
+        let most = steps.checked_div(case.ring_len).map_or(steps, |c| c + 1) * n;
         prop_assert!(commits <= most, "{commits} commits for {steps} steps");
     }
 }
@@ -52,7 +52,10 @@ fn stochastic_rounding_is_reproducible_and_unbiased() {
                 ..Case::new(2, 4, 16, 16).with_seqs(&[40, 9], &[0, 2])
             };
             let bias = check_stochastic_rounding(&CpuBackend, &case, 11);
-            assert!(bias.abs() < 0.05, "{state_dtype} {layout:?}: mean error {bias} ulp");
+            assert!(
+                bias.abs() < 0.05,
+                "{state_dtype} {layout:?}: mean error {bias} ulp"
+            );
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use kda_kernels::api::{Buf, IndexView, StepInputs, TensorView, TensorViewMut};
 use kda_kernels::testing::{
-    assert_refused, bad_input_case, check_rejects_bad_input, layer_with_states, initial_states,
+    assert_refused, bad_input_case, check_rejects_bad_input, initial_states, layer_with_states,
     run_tokens, Case, DeviceInputs, HostInputs, TokenOp,
 };
 use kda_kernels::{Backend, BatchPlan, CpuBackend, KdaOptions, Result};
@@ -36,12 +36,25 @@ fn hand_built_batches_are_checked_by_the_operations_too() {
     ] {
         let batch = BatchPlan { bounds, slots };
         let mut out = HostBuffer::zeroed(2 * case.hv * case.v * 2);
-        let mut view = TensorViewMut { buf: &mut out, dtype: case.input_dtype, len: 2 * case.hv * case.v };
-        let r = be.prefill(&batch, &dev.view(), &case.opts, &mut layer.view(), &mut view);
+        let mut view = TensorViewMut {
+            buf: &mut out,
+            dtype: case.input_dtype,
+            len: 2 * case.hv * case.v,
+        };
+        let r = be.prefill(
+            &batch,
+            &dev.view(),
+            &case.opts,
+            &mut layer.view(),
+            &mut view,
+        );
         assert_refused(r, arg, &format!("{batch:?}"));
         assert_refused(be.prepare(batch.clone()), arg, "prepare");
     }
-    assert!(before == layer.snapshot(be.memory()).expect("snapshot"), "the pool changed");
+    assert!(
+        before == layer.snapshot(be.memory()).expect("snapshot"),
+        "the pool changed"
+    );
 }
 
 /// A backend that runs the CPU backend and then breaks one promise.
@@ -51,7 +64,11 @@ struct Broken {
 }
 
 impl Broken {
-    fn after(&self, layer: &mut LayerMut<'_, HostBuffer>, out: Option<&mut TensorViewMut<'_, HostBuffer>>) {
+    fn after(
+        &self,
+        layer: &mut LayerMut<'_, HostBuffer>,
+        out: Option<&mut TensorViewMut<'_, HostBuffer>>,
+    ) {
         if let Some(s) = self.touch_slot {
             let at = s as usize * layer.geometry.ssm_slot_bytes();
             layer.ssm.bytes_mut()[at] ^= 1;
@@ -75,22 +92,52 @@ impl Backend for Broken {
     fn prepare(&self, plan: BatchPlan) -> Result<BatchPlan> {
         CpuBackend.prepare(plan)
     }
-    fn prefill(&self, b: &BatchPlan, i: &StepInputs<'_, Buf<Self>>, o: &KdaOptions, l: &mut LayerMut<'_, HostBuffer>, out: &mut TensorViewMut<'_, HostBuffer>) -> Result<()> {
+    fn prefill(
+        &self,
+        b: &BatchPlan,
+        i: &StepInputs<'_, Buf<Self>>,
+        o: &KdaOptions,
+        l: &mut LayerMut<'_, HostBuffer>,
+        out: &mut TensorViewMut<'_, HostBuffer>,
+    ) -> Result<()> {
         CpuBackend.prefill(b, i, o, l, out)?;
         self.after(l, Some(out));
         Ok(())
     }
-    fn decode(&self, b: &BatchPlan, i: &StepInputs<'_, Buf<Self>>, o: &KdaOptions, l: &mut LayerMut<'_, HostBuffer>, out: &mut TensorViewMut<'_, HostBuffer>) -> Result<()> {
+    fn decode(
+        &self,
+        b: &BatchPlan,
+        i: &StepInputs<'_, Buf<Self>>,
+        o: &KdaOptions,
+        l: &mut LayerMut<'_, HostBuffer>,
+        out: &mut TensorViewMut<'_, HostBuffer>,
+    ) -> Result<()> {
         CpuBackend.decode(b, i, o, l, out)?;
         self.after(l, Some(out));
         Ok(())
     }
-    fn spec_verify(&self, b: &BatchPlan, a: &IndexView<'_, HostBuffer>, i: &StepInputs<'_, Buf<Self>>, o: &KdaOptions, l: &mut LayerMut<'_, HostBuffer>, out: &mut TensorViewMut<'_, HostBuffer>) -> Result<()> {
+    fn spec_verify(
+        &self,
+        b: &BatchPlan,
+        a: &IndexView<'_, HostBuffer>,
+        i: &StepInputs<'_, Buf<Self>>,
+        o: &KdaOptions,
+        l: &mut LayerMut<'_, HostBuffer>,
+        out: &mut TensorViewMut<'_, HostBuffer>,
+    ) -> Result<()> {
         CpuBackend.spec_verify(b, a, i, o, l, out)?;
         self.after(l, Some(out));
         Ok(())
     }
-    fn replay(&self, b: &BatchPlan, a: Option<&IndexView<'_, HostBuffer>>, o: &KdaOptions, al: Option<&TensorView<'_, HostBuffer>>, dt: Option<&TensorView<'_, HostBuffer>>, l: &mut LayerMut<'_, HostBuffer>) -> Result<()> {
+    fn replay(
+        &self,
+        b: &BatchPlan,
+        a: Option<&IndexView<'_, HostBuffer>>,
+        o: &KdaOptions,
+        al: Option<&TensorView<'_, HostBuffer>>,
+        dt: Option<&TensorView<'_, HostBuffer>>,
+        l: &mut LayerMut<'_, HostBuffer>,
+    ) -> Result<()> {
         CpuBackend.replay(b, a, o, al, dt, l)?;
         self.after(l, None);
         Ok(())
@@ -103,22 +150,40 @@ fn decode_once(be: &Broken) {
     let init = initial_states(&case, &mut rng);
     let mut layer = layer_with_states(be, &case, &init, &mut rng);
     let inputs = HostInputs::random(&mut rng, case.dims(), 1, &case.opts, case.input_dtype);
-    run_tokens(be, &mut layer, TokenOp::Decode, &[0, 1], &case.slots, &inputs, &case.opts).expect("decode");
+    run_tokens(
+        be,
+        &mut layer,
+        TokenOp::Decode,
+        &[0, 1],
+        &case.slots,
+        &inputs,
+        &case.opts,
+    )
+    .expect("decode");
 }
 
 #[test]
 fn the_wrapper_without_faults_passes_the_guards() {
-    decode_once(&Broken { touch_slot: None, skip_last_output: false });
+    decode_once(&Broken {
+        touch_slot: None,
+        skip_last_output: false,
+    });
 }
 
 #[test]
 #[should_panic(expected = "a slot not in the call")]
 fn the_guard_catches_a_write_to_a_slot_not_in_the_call() {
-    decode_once(&Broken { touch_slot: Some(2), skip_last_output: false });
+    decode_once(&Broken {
+        touch_slot: Some(2),
+        skip_last_output: false,
+    });
 }
 
 #[test]
 #[should_panic(expected = "was not written")]
 fn the_guard_catches_an_output_element_left_unwritten() {
-    decode_once(&Broken { touch_slot: None, skip_last_output: true });
+    decode_once(&Broken {
+        touch_slot: None,
+        skip_last_output: true,
+    });
 }

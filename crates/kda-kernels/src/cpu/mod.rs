@@ -94,6 +94,7 @@ fn dispatch(input: Dtype, state: Dtype, ex: Exec<'_>) -> Result<()> {
 
 impl CpuBackend {
     /// Validates and runs one token-carrying operation (prefill, decode, spec_verify).
+    #[allow(clippy::too_many_arguments)]
     fn run_tokens(
         &self,
         op: Op,

@@ -74,13 +74,13 @@ pub struct ReferenceState {
 impl ReferenceState {
     /// Sequences starting from `initial` (`[N][HV][K][V]` logical K-first).
     pub fn new(dims: Dims, initial: Vec<f64>) -> Result<Self> {
-        if dims.h == 0 || dims.hv % dims.h != 0 || dims.state_elems() == 0 {
+        if dims.h == 0 || !dims.hv.is_multiple_of(dims.h) || dims.state_elems() == 0 {
             return Err(KernelError::arg(
                 "dims",
                 format!("{dims:?}: expected positive dims with HV a multiple of H"),
             ));
         }
-        if initial.len() % dims.state_elems() != 0 {
+        if !initial.len().is_multiple_of(dims.state_elems()) {
             return Err(KernelError::arg(
                 "initial",
                 format!(

@@ -127,7 +127,7 @@ pub fn check_layer<M: DeviceMemory>(
     meta: &M::Buffer,
 ) -> Result<()> {
     let g = geometry;
-    if g.h == 0 || g.hv == 0 || g.k == 0 || g.v == 0 || g.hv % g.h != 0 {
+    if g.h == 0 || g.hv == 0 || g.k == 0 || g.v == 0 || !g.hv.is_multiple_of(g.h) {
         return Err(KernelError::arg(
             "layer",
             format!(

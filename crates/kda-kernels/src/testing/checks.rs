@@ -272,11 +272,9 @@ pub fn check_decode_matches_prefill<B: Backend>(be: &B, case: &Case, seed: u64) 
     let eo = rel_frobenius_f32(&out_dec, &out_pre);
     let es = rel_frobenius_f32(&s_dec, &s_pre);
     // Eager decode of a 2-byte pool rounds the state at every token.
-    let stores = if case.ring_len == 0 {
-        longest + 1
-    } else {
-        longest / case.ring_len + 2
-    } as f64;
+    let stores = longest
+        .checked_div(case.ring_len)
+        .map_or(longest + 1, |c| c + 2) as f64;
     let tol_o = output_tolerance(case) * 2.0 + stores * state_tolerance(case);
     let tol_s = (stores + 1.0) * state_tolerance(case);
     assert!(
@@ -672,13 +670,12 @@ pub fn check_ring_rounds_once_per_commit<B: Backend>(
             epoch_before + stored as u64,
             "step {step}: the epoch moves once per storing call"
         );
-        for i in 0..n {
-            let slot = case.slots[i];
+        for (i, (&slot, before)) in case.slots.iter().zip(&before).enumerate() {
             let now = pool.read_slot_elems(mem, slot).expect("read");
             if !committing.contains(&i) {
                 assert_bits_eq(
                     &now,
-                    &before[i],
+                    before,
                     &format!("step {step}: slot {slot} stored no state"),
                 );
             } else if r == 0 || last {
@@ -793,33 +790,28 @@ pub fn check_stochastic_rounding<B: Backend>(be: &B, case: &Case, seed: u64) -> 
 
 /// The two `dtype` values around `x` (equal when `x` is representable).
 fn neighbours(x: f32, dtype: Dtype) -> (f32, f32) {
-    let step = |bits: u16, up: bool| -> u16 {
-        // Magnitude steps: one more / one less in the low bits of a sign-magnitude format.
-        if up {
-            bits + 1
-        } else {
-            bits - 1
-        }
-    };
-    let (n, from, to): (f32, fn(u16) -> f32, fn(f32) -> u16) = match dtype {
+    // (nearest value, its bits) and the value of given bits.
+    let (n, bits, from): (f32, u16, fn(u16) -> f32) = match dtype {
         Dtype::Fp32 => return (x, x),
-        Dtype::Fp16 => (
-            f16::from_f32(x).to_f32(),
-            |b| f16::from_bits(b).to_f32(),
-            |v| f16::from_f32(v).to_bits(),
-        ),
-        Dtype::Bf16 => (
-            bf16::from_f32(x).to_f32(),
-            |b| bf16::from_bits(b).to_f32(),
-            |v| bf16::from_f32(v).to_bits(),
-        ),
+        Dtype::Fp16 => {
+            let h = f16::from_f32(x);
+            (h.to_f32(), h.to_bits(), |b| f16::from_bits(b).to_f32())
+        }
+        Dtype::Bf16 => {
+            let h = bf16::from_f32(x);
+            (h.to_f32(), h.to_bits(), |b| bf16::from_bits(b).to_f32())
+        }
     };
     if n == x {
         return (x, x);
     }
-    let bits = to(n);
-    // Away from zero when nearest is below |x|, towards zero otherwise.
-    let other = from(step(bits, n.abs() < x.abs()));
+    // Sign-magnitude: one more in the low bits is one step away from zero. Step away from
+    // zero when nearest is below |x|, towards zero otherwise.
+    let other = from(if n.abs() < x.abs() {
+        bits + 1
+    } else {
+        bits - 1
+    });
     (n.min(other), n.max(other))
 }
 

@@ -107,11 +107,23 @@ pub fn case_with(
 }
 
 /// An fp32 pool with fp32 inputs, any shape, layout and options.
-pub fn fp32_case(max_len: usize, ring_len: impl Strategy<Value = usize>) -> impl Strategy<Value = Case> {
-    case_with(max_len, Just(Dtype::Fp32), Just(Dtype::Fp32), ring_len, options())
+pub fn fp32_case(
+    max_len: usize,
+    ring_len: impl Strategy<Value = usize>,
+) -> impl Strategy<Value = Case> {
+    case_with(
+        max_len,
+        Just(Dtype::Fp32),
+        Just(Dtype::Fp32),
+        ring_len,
+        options(),
+    )
 }
 
 /// Everything random.
-pub fn any_case(max_len: usize, ring_len: impl Strategy<Value = usize>) -> impl Strategy<Value = Case> {
+pub fn any_case(
+    max_len: usize,
+    ring_len: impl Strategy<Value = usize>,
+) -> impl Strategy<Value = Case> {
     case_with(max_len, dtype(), dtype(), ring_len, options())
 }
