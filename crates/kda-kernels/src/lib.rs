@@ -7,6 +7,11 @@
 
 pub mod api;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_stub.rs"]
+pub mod cuda;
 pub mod error;
 pub mod rounding;
 #[cfg(feature = "testing")]
