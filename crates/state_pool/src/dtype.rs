@@ -174,9 +174,9 @@ fn decide(
     match (read(ENV_KDA_SSM_DTYPE)?, read(ENV_ATOM_KDA_SSM_DTYPE)?) {
         (Some(a), Some(b)) if a != b => Err(PoolError::InvalidValue {
             what: "dtype",
-            value: format!("{ENV_KDA_SSM_DTYPE}={a} and {ENV_ATOM_KDA_SSM_DTYPE}={b}"),
-            source_name: "the environment".to_string(),
-            expected: "one of the two variables, or both set to the same dtype".to_string(),
+            value: a.to_string(),
+            source_name: format!("{ENV_KDA_SSM_DTYPE} ({ENV_ATOM_KDA_SSM_DTYPE} is {b})"),
+            expected: "the same dtype in both variables, or only one of them set".to_string(),
         }),
         (Some(a), _) => Ok((a, DtypeSource::Env(ENV_KDA_SSM_DTYPE))),
         (None, Some(b)) => Ok((b, DtypeSource::Env(ENV_ATOM_KDA_SSM_DTYPE))),
@@ -288,8 +288,8 @@ mod tests {
         let e = resolve_state_dtype(None, env, None)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("KDA_SSM_DTYPE=fp16"), "{e}");
-        assert!(e.contains("ATOM_KDA_SSM_DTYPE=bf16"), "{e}");
+        assert!(e.contains("\"fp16\" from KDA_SSM_DTYPE"), "{e}");
+        assert!(e.contains("ATOM_KDA_SSM_DTYPE is bf16"), "{e}");
     }
 
     #[test]

@@ -95,10 +95,15 @@ impl KdaShape {
                 .filter(|&d| self.num_heads.is_multiple_of(d) && self.num_v_heads.is_multiple_of(d))
                 .map(|d| d.to_string())
                 .collect();
+            let problem = if tp == 0 {
+                "0 is not a number of ranks".to_string()
+            } else {
+                format!("{tp} does not divide the heads")
+            };
             return Err(PoolError::arg(
                 "tp",
                 format!(
-                    "{tp} does not divide the {} q/k heads and {} value heads of {}; accepted: {}",
+                    "{problem}; accepted: a divisor of the {} q/k heads and {} value heads of {}: {}",
                     self.num_heads,
                     self.num_v_heads,
                     self.name,
@@ -363,11 +368,18 @@ fn parse_object(text: &str, source: &str) -> Result<Map<String, Value>> {
     }
 }
 
+/// A model name from a file name: its stem, or for a file named `config.json` (a Hugging Face
+/// snapshot) the directory's name.
 fn stem(source: &str) -> String {
-    Path::new(source)
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| source.to_string())
+    let path = Path::new(source);
+    let name = |p: Option<&std::ffi::OsStr>| p.map(|s| s.to_string_lossy().into_owned());
+    let stem = name(path.file_stem());
+    if stem.as_deref() == Some("config") {
+        if let Some(dir) = name(path.parent().and_then(|p| p.file_name())) {
+            return dir;
+        }
+    }
+    stem.unwrap_or_else(|| source.to_string())
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -548,6 +560,15 @@ mod tests {
         // 7 MLA layers x (512 + 64) x 2 bytes.
         assert_eq!(hf.kv_bytes_per_token, Some(8064));
         assert_eq!(own.kv_bytes_per_token, Some(8064));
+    }
+
+    #[test]
+    fn hf_snapshot_config_is_named_after_its_directory() {
+        assert_eq!(
+            stem("/hub/Kimi-Linear-48B-A3B-Instruct/config.json"),
+            "Kimi-Linear-48B-A3B-Instruct"
+        );
+        assert_eq!(stem("configs/kimi-k3-tp8.json"), "kimi-k3-tp8");
     }
 
     #[test]
