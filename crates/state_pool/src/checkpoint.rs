@@ -129,14 +129,19 @@ impl LayoutId {
         })
     }
 
-    /// Bytes of one slot's conv planes over all layers.
+    /// Bytes of one slot's conv planes over all layers (saturating at `u64::MAX`).
     pub fn conv_image_bytes(&self) -> u64 {
-        (self.layers * self.conv_rows * self.conv_channels * self.conv.size()) as u64
+        saturating_product(&[
+            self.layers,
+            self.conv_rows,
+            self.conv_channels,
+            self.conv.size(),
+        ])
     }
 
-    /// Bytes of one slot's ssm planes over all layers.
+    /// Bytes of one slot's ssm planes over all layers (saturating at `u64::MAX`).
     pub fn ssm_image_bytes(&self) -> u64 {
-        (self.layers * self.hv * self.k * self.v * self.ssm.size()) as u64
+        saturating_product(&[self.layers, self.hv, self.k, self.v, self.ssm.size()])
     }
 
     /// Whether an image of `self` can be converted into `target`: only the dtypes (ssm, conv)
@@ -150,6 +155,12 @@ impl LayoutId {
             ..self.clone()
         } == *target
     }
+}
+
+fn saturating_product(factors: &[usize]) -> u64 {
+    factors
+        .iter()
+        .fold(1u64, |acc, &f| acc.saturating_mul(f as u64))
 }
 
 impl fmt::Display for LayoutId {

@@ -91,10 +91,7 @@ impl KdaShape {
     pub fn heads_per_rank(&self) -> Result<(usize, usize)> {
         let tp = self.tp;
         if tp == 0 || !self.num_heads.is_multiple_of(tp) || !self.num_v_heads.is_multiple_of(tp) {
-            let divisors: Vec<String> = (1..=self.num_heads)
-                .filter(|&d| self.num_heads.is_multiple_of(d) && self.num_v_heads.is_multiple_of(d))
-                .map(|d| d.to_string())
-                .collect();
+            let divisors = common_divisors(self.num_heads, self.num_v_heads);
             let problem = if tp == 0 {
                 "0 is not a number of ranks".to_string()
             } else {
@@ -107,7 +104,7 @@ impl KdaShape {
                     self.num_heads,
                     self.num_v_heads,
                     self.name,
-                    divisors.join(", ")
+                    divisors
                 ),
             ));
         }
@@ -129,18 +126,50 @@ impl KdaShape {
     /// Conv-state channels of one rank: q and k (`H * K` each) and v (`HV * V`).
     pub fn conv_channels_per_rank(&self) -> Result<usize> {
         let (h, hv) = self.heads_per_rank()?;
-        Ok(2 * h * self.head_k_dim + hv * self.head_v_dim)
+        h.checked_mul(self.head_k_dim)
+            .and_then(|qk| qk.checked_mul(2))
+            .and_then(|qk| qk.checked_add(hv.checked_mul(self.head_v_dim)?))
+            .ok_or_else(|| {
+                PoolError::arg(
+                    "head_k_dim",
+                    format!(
+                        "the conv channels 2 x {h} x {} + {hv} x {} overflow",
+                        self.head_k_dim, self.head_v_dim
+                    ),
+                )
+            })
     }
+}
+
+/// The common divisors of `a` and `b` for an error message (only the count's size when it is
+/// too large to list).
+fn common_divisors(a: usize, b: usize) -> String {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    if x > 1 << 20 {
+        return format!("a divisor of {x}");
+    }
+    let list: Vec<String> = (1..=x)
+        .filter(|&d| x.is_multiple_of(d))
+        .map(|d| d.to_string())
+        .collect();
+    list.join(", ")
 }
 
 /// MLA KV-cache bytes per token over all full-attention layers:
 /// `full_attn_layers x (kv_lora_rank + qk_rope_head_dim) x 2` (bf16). The same on every rank.
+/// `None` when it overflows `u64`.
 pub fn mla_kv_bytes_per_token(
     full_attn_layers: usize,
     kv_lora_rank: usize,
     qk_rope_head_dim: usize,
-) -> u64 {
-    full_attn_layers as u64 * (kv_lora_rank as u64 + qk_rope_head_dim as u64) * 2
+) -> Option<u64> {
+    (kv_lora_rank as u64)
+        .checked_add(qk_rope_head_dim as u64)?
+        .checked_mul(full_attn_layers as u64)?
+        .checked_mul(2)
 }
 
 /// A loaded model configuration: the shape plus the optional settings a file may carry.
@@ -258,7 +287,7 @@ impl ModelConfig {
         let lin = Fields::new(f.req_object("linear_attn_config")?, source, &lin_prefix);
 
         let total_layers = f.opt_usize("num_hidden_layers")?;
-        let base = match lin.opt_usize("kda_layer_index_base")? {
+        let base = match lin.opt_index("kda_layer_index_base")? {
             None | Some(1) => 1,
             Some(0) => 0,
             Some(b) => {
@@ -285,9 +314,13 @@ impl ModelConfig {
         let rope = f.opt_usize("qk_rope_head_dim")?;
         let kv_bytes_per_token = match (&full, lora, rope) {
             (None, None, None) => None,
-            (Some(full), Some(lora), Some(rope)) => {
-                Some(mla_kv_bytes_per_token(full.len(), lora, rope))
-            }
+            (Some(full), Some(lora), Some(rope)) => Some(
+                mla_kv_bytes_per_token(full.len(), lora, rope).ok_or_else(|| {
+                    f.err(format!(
+                        "fields `{top_prefix}kv_lora_rank` {lora} and `{top_prefix}qk_rope_head_dim` {rope}: the KV bytes per token overflow"
+                    ))
+                })?,
+            ),
             _ => {
                 let missing = if full.is_none() {
                     format!("{lin_prefix}full_attn_layers")
@@ -451,6 +484,17 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// A non-negative integer (0 allowed).
+    fn opt_index(&self, name: &str) -> Result<Option<usize>> {
+        match self.present(name) {
+            None => Ok(None),
+            Some(v) => match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
+                Some(n) => Ok(Some(n)),
+                None => Err(self.malformed(name, "a non-negative integer", v)),
+            },
+        }
+    }
+
     fn req_usize(&self, name: &str) -> Result<usize> {
         self.opt_usize(name)?
             .ok_or_else(|| self.missing(name, "a positive integer"))
@@ -569,6 +613,48 @@ mod tests {
             "Kimi-Linear-48B-A3B-Instruct"
         );
         assert_eq!(stem("configs/kimi-k3-tp8.json"), "kimi-k3-tp8");
+    }
+
+    #[test]
+    fn hf_zero_based_layer_lists_are_accepted_when_declared() {
+        let text = r#"{"linear_attn_config": {"kda_layer_index_base": 0, "kda_layers": [0, 1],
+            "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}}"#;
+        assert_eq!(
+            ModelConfig::from_hf_str(text, "c.json")
+                .unwrap()
+                .shape
+                .kda_layers,
+            2
+        );
+        let e = hf_err(
+            r#"{"linear_attn_config": {"kda_layer_index_base": 2, "kda_layers": [2],
+            "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}}"#,
+        );
+        assert!(e.contains("kda_layer_index_base"), "{e}");
+    }
+
+    #[test]
+    fn huge_sizes_are_errors_not_overflows() {
+        let e = hf_err(
+            r#"{"kv_lora_rank": 18446744073709551615, "qk_rope_head_dim": 8,
+            "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 4,
+            "head_dim": 16, "short_conv_kernel_size": 4}}"#,
+        );
+        assert!(e.contains("overflow"), "{e}");
+        let m = ModelConfig::from_json_str(
+            r#"{"kda_layers": 2, "num_heads": 4294967296, "head_k_dim": 4294967296,
+            "head_v_dim": 8, "conv_kernel": 4}"#,
+            "m.json",
+        )
+        .unwrap();
+        assert!(m.shape.conv_channels_per_rank().is_err());
+        let start = std::time::Instant::now();
+        let e = own_err(
+            r#"{"kda_layers": 2, "num_heads": 18446744073709551615, "head_k_dim": 16,
+            "head_v_dim": 8, "conv_kernel": 4, "tp": 2}"#,
+        );
+        assert!(e.contains("a divisor of 18446744073709551615"), "{e}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(1));
     }
 
     #[test]
