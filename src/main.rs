@@ -1,7 +1,13 @@
 //! `kda-pool`: the KDA state pool's command-line tool. It only parses and renders; the work is
 //! in the `state_pool` and `kda-kernels` crates.
 
+mod accuracy;
+mod backends;
+mod captured;
 mod cli;
+mod harness;
+mod host_tensor;
+mod inputs;
 
 use clap::Parser;
 

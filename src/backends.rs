@@ -1,0 +1,36 @@
+//! Choosing a backend on the command line and running generic work on it.
+
+use kda_kernels::Backend;
+
+use crate::cli::CliError;
+
+/// The `--backend` flag's values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// The CPU reference backend (rayon, f32).
+    #[default]
+    Cpu,
+    /// The CUDA backend (needs a build with `--features cuda` and an NVIDIA GPU).
+    Cuda,
+}
+
+/// Work that runs on any backend: the CLI picks the backend, the task is generic over it.
+pub trait BackendTask {
+    /// What the task produces.
+    type Output;
+    /// Runs the task on `backend`.
+    fn run<B: Backend>(self, backend: &B) -> Result<Self::Output, CliError>;
+}
+
+/// Runs `task` on the backend `kind`. The CPU backend is the default; asking for CUDA where it
+/// is not available is an error (never a silent fall-back to the CPU).
+pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T) -> Result<T::Output, CliError> {
+    match kind {
+        BackendKind::Cpu => task.run(&kda_kernels::cpu::CpuBackend::new()),
+        BackendKind::Cuda => Err(CliError::Usage(
+            "--backend cuda: the CUDA backend is not available in this build; use --backend cpu"
+                .into(),
+        )),
+    }
+}
