@@ -278,6 +278,9 @@ fn admission_failure_says_how_many_slots_fit() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// Arguments, environment, and a word the error line must contain.
+type BadCase<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+
 #[test]
 fn bad_inputs_exit_2_with_one_line() {
     let missing = repo_file("configs/does-not-exist.json");
@@ -291,7 +294,7 @@ fn bad_inputs_exit_2_with_one_line() {
         "hf-missing.json",
         r#"{"linear_attn_config": {"kda_layers": [1, 2], "head_dim": 128, "short_conv_kernel_size": 4}}"#,
     );
-    let cases: Vec<(Vec<&str>, Vec<(&str, &str)>, &str)> = vec![
+    let cases: Vec<BadCase> = vec![
         (vec!["--dtype", "fp8"], vec![], "fp8"),
         (vec![], vec![("KDA_SSM_DTYPE", "int4")], "KDA_SSM_DTYPE"),
         (
