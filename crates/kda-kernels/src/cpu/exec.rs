@@ -8,13 +8,13 @@ use rayon::prelude::*;
 use state_pool::{HostBuffer, LayerMut, PoolGeometry, RingMeta};
 
 use super::chunk::{chunked_prefill, ChunkScratch};
-use super::ring::{apply_updates, fold_pending};
-use super::step::{HeadActivation, TokenBuffers};
-use super::tensor::{elems, elems_mut, load_head, load_row, store_head, store_row};
+use super::ring::{apply_updates, push_pending};
+use super::step::{HeadActivation, RawToken, TokenRun};
+use super::tensor::{elems, elems_mut, load_head, store_head, Bulk};
 use super::validate::{CallPlan, Op, SeqPlan, StorePoint};
 use crate::api::{KdaOptions, StepInputs, TensorView};
 use crate::error::Result;
-use crate::rounding::{Element, StoreMode};
+use crate::rounding::StoreMode;
 
 /// The token inputs of a call as typed slices (`[T, H, K]`, `[T, HV, V]`, ...).
 pub(crate) struct Inputs<'a, I> {
@@ -69,7 +69,7 @@ struct Ctx<'a> {
 }
 
 /// Runs the call with input (and ring) element `I` and state element `S`.
-pub(crate) fn run<I: Element, S: Element>(ex: Exec<'_>) -> Result<()> {
+pub(crate) fn run<I: Bulk, S: Bulk>(ex: Exec<'_>) -> Result<()> {
     let plan = ex.plan;
     let g = ex.layer.geometry;
     let on = ex.opts.needs_gate_params();
@@ -129,7 +129,7 @@ pub(crate) fn run<I: Element, S: Element>(ex: Exec<'_>) -> Result<()> {
         for (start, hv, vals) in results {
             for (j, row) in vals.chunks_exact(vd).enumerate() {
                 let at = ((start + j) * g.hv + hv) * vd;
-                store_row(row, &mut o[at..at + vd]);
+                I::store_slice(row, &mut o[at..at + vd]);
             }
         }
     }
@@ -142,7 +142,7 @@ pub(crate) fn run<I: Element, S: Element>(ex: Exec<'_>) -> Result<()> {
 }
 
 /// One (sequence, value head): fold, store, compute the tokens; returns the outputs `[n][V]`.
-fn head_job<I: Element, S: Element>(
+fn head_job<I: Bulk, S: Bulk>(
     ctx: &Ctx<'_>,
     sp: &SeqPlan,
     hv: usize,
@@ -161,8 +161,10 @@ fn head_job<I: Element, S: Element>(
 
     let mut state = vec![0.0f32; kd * vd];
     load_head(stored, g.layout, kd, vd, &mut state);
-    let mut tb = TokenBuffers::new(kd, vd);
-    fold_pending(ring, g, sp.slot, sp.fold, h, hv, &act, &mut tb, &mut state);
+    let mut run = TokenRun::new(kd, vd);
+    run.clear(false);
+    push_pending(ring, g, sp.slot, sp.fold, h, hv, &act, &mut run);
+    run.run(&mut state, None);
     if sp.store == StorePoint::AfterFold {
         store(&state, stored);
     }
@@ -174,11 +176,11 @@ fn head_job<I: Element, S: Element>(
         match ctx.op {
             Op::Prefill => prefill_tokens(inp, at, sp, &act, &mut state, &mut out),
             _ => {
-                for (t, o) in sp.tokens.clone().zip(out.chunks_exact_mut(vd)) {
-                    at.load(inp, t, &mut tb);
-                    tb.activate(&act, true);
-                    tb.step(&mut state, Some(o));
+                run.clear(true);
+                for t in sp.tokens.clone() {
+                    run.push(&act, |raw| at.load(inp, t, raw));
                 }
+                run.run(&mut state, Some(&mut out));
             }
         }
     }
@@ -197,23 +199,25 @@ struct TokenAt<'a> {
 }
 
 impl TokenAt<'_> {
-    /// Loads token `t`'s raw q, k, g, v, beta of this head into `tb`.
+    /// Loads token `t`'s raw q (when `raw` has room for it), k, g, v, beta of this head.
     #[inline]
-    fn load<I: Element>(&self, inp: &Inputs<'_, I>, t: usize, tb: &mut TokenBuffers) {
+    fn load<I: Bulk>(&self, inp: &Inputs<'_, I>, t: usize, raw: RawToken<'_>) {
         let (g, kd, vd) = (self.g, self.g.k, self.g.v);
         let qk = (t * g.h + self.h) * kd;
         let vk = (t * g.hv + self.hv) * kd;
         let vv = (t * g.hv + self.hv) * vd;
-        load_row(&inp.q[qk..qk + kd], &mut tb.q);
-        load_row(&inp.k[qk..qk + kd], &mut tb.k);
-        load_row(&inp.g[vk..vk + kd], &mut tb.g);
-        load_row(&inp.v[vv..vv + vd], &mut tb.v);
-        tb.beta = inp.beta[t * g.hv + self.hv].load();
+        if !raw.q.is_empty() {
+            I::load_slice(&inp.q[qk..qk + kd], &mut raw.q[..kd]);
+        }
+        I::load_slice(&inp.k[qk..qk + kd], &mut raw.k[..kd]);
+        I::load_slice(&inp.g[vk..vk + kd], &mut raw.g[..kd]);
+        I::load_slice(&inp.v[vv..vv + vd], &mut raw.v[..vd]);
+        *raw.beta = inp.beta[t * g.hv + self.hv].load();
     }
 }
 
 /// The chunked form over a sequence's tokens: activate every token, then run the chunks.
-fn prefill_tokens<I: Element>(
+fn prefill_tokens<I: Bulk>(
     inp: &Inputs<'_, I>,
     at: TokenAt<'_>,
     sp: &SeqPlan,
@@ -225,17 +229,23 @@ fn prefill_tokens<I: Element>(
     let n = sp.tokens.len();
     let (mut q, mut k, mut gl) = (vec![0.0; n * kd], vec![0.0; n * kd], vec![0.0; n * kd]);
     let (mut v, mut beta) = (vec![0.0; n * vd], vec![0.0; n]);
-    let mut tb = TokenBuffers::new(kd, vd);
     for (j, t) in sp.tokens.clone().enumerate() {
-        at.load(inp, t, &mut tb);
-        act.query(&mut tb.q);
-        act.key(&mut tb.k);
-        act.log_decay(&mut tb.g);
-        q[j * kd..(j + 1) * kd].copy_from_slice(&tb.q);
-        k[j * kd..(j + 1) * kd].copy_from_slice(&tb.k);
-        gl[j * kd..(j + 1) * kd].copy_from_slice(&tb.g);
-        v[j * vd..(j + 1) * vd].copy_from_slice(&tb.v);
-        beta[j] = act.beta(tb.beta);
+        let (kr, vr) = (j * kd..(j + 1) * kd, j * vd..(j + 1) * vd);
+        at.load(
+            inp,
+            t,
+            RawToken {
+                q: &mut q[kr.clone()],
+                k: &mut k[kr.clone()],
+                g: &mut gl[kr.clone()],
+                v: &mut v[vr],
+                beta: &mut beta[j],
+            },
+        );
+        act.query(&mut q[kr.clone()]);
+        act.key(&mut k[kr.clone()]);
+        act.log_decay(&mut gl[kr]);
+        beta[j] = act.beta(beta[j]);
     }
     let mut scratch = ChunkScratch::new(kd, vd);
     chunked_prefill(&mut scratch, state, &q, &k, &gl, &beta, &v, out);

@@ -1,13 +1,13 @@
-//! The replay ring's data: reading an entry back as one value head's token, folding the
-//! pending entries onto a state, and, once a call's heads are done, appending the new tokens'
-//! raw inputs and writing the new bookkeeping. Which entries are folded, appended or dropped is
-//! decided by [`super::validate`]'s plan.
+//! The replay ring's data: reading the pending entries back as one value head's tokens, and,
+//! once a call's heads are done, appending the new tokens' raw inputs and writing the new
+//! bookkeeping. Which entries are folded, appended or dropped is decided by
+//! [`super::validate`]'s plan.
 
 use state_pool::{PoolGeometry, RingMeta};
 
 use super::exec::Inputs;
-use super::step::{HeadActivation, TokenBuffers};
-use super::tensor::load_row;
+use super::step::{HeadActivation, TokenRun};
+use super::tensor::Bulk;
 use super::validate::CallPlan;
 use crate::rounding::Element;
 
@@ -17,31 +17,10 @@ fn entry_base(g: &PoolGeometry, slot: u32, e: usize) -> usize {
     (slot as usize * g.ring_len + e) * g.ring_entry_elems()
 }
 
-/// Loads the raw inputs of q/k head `h` and value head `hv` from entry `e` of `slot` into
-/// `tb` (no query: ring entries hold none).
-#[inline]
-fn load_entry<R: Element>(
-    ring: &[R],
-    g: &PoolGeometry,
-    slot: u32,
-    e: usize,
-    h: usize,
-    hv: usize,
-    tb: &mut TokenBuffers,
-) {
-    let base = entry_base(g, slot, e);
-    let [ok, ov, og, ob] = g.ring_entry_offsets();
-    let (kd, vd) = (g.k, g.v);
-    load_row(&ring[base + ok + h * kd..][..kd], &mut tb.k);
-    load_row(&ring[base + ov + hv * vd..][..vd], &mut tb.v);
-    load_row(&ring[base + og + hv * kd..][..kd], &mut tb.g);
-    tb.beta = ring[base + ob + hv].load();
-}
-
-/// Replays entries `0..count` of `slot` onto the logical f32 `state` of value head `hv`
-/// (q/k head `h`), with the same token step as eager decode.
+/// Appends entries `0..count` of `slot`, as tokens of q/k head `h` and value head `hv`, to
+/// `run` (ring entries hold no query).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn fold_pending<R: Element>(
+pub(crate) fn push_pending<R: Bulk>(
     ring: &[R],
     g: &PoolGeometry,
     slot: u32,
@@ -49,13 +28,18 @@ pub(crate) fn fold_pending<R: Element>(
     h: usize,
     hv: usize,
     act: &HeadActivation<'_>,
-    tb: &mut TokenBuffers,
-    state: &mut [f32],
+    run: &mut TokenRun,
 ) {
+    let [ok, ov, og, ob] = g.ring_entry_offsets();
+    let (kd, vd) = (g.k, g.v);
     for e in 0..count {
-        load_entry(ring, g, slot, e, h, hv, tb);
-        tb.activate(act, false);
-        tb.step(state, None);
+        let base = entry_base(g, slot, e);
+        run.push(act, |raw| {
+            R::load_slice(&ring[base + ok + h * kd..][..kd], raw.k);
+            R::load_slice(&ring[base + ov + hv * vd..][..vd], raw.v);
+            R::load_slice(&ring[base + og + hv * kd..][..kd], raw.g);
+            *raw.beta = ring[base + ob + hv].load();
+        });
     }
 }
 

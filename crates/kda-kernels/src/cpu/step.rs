@@ -1,6 +1,6 @@
 //! The f32 token step of spec section 2, and the input activations (l2norm, scale, gate,
 //! beta). Eager decode, the replay of ring entries and the new tokens of decode and
-//! spec_verify all go through [`token_step`], so an fp32 pool gives the same bits whichever
+//! spec_verify all go through [`token_steps`], so an fp32 pool gives the same bits whichever
 //! path a token takes. The chunked prefill shares the activations.
 
 use crate::api::{BetaMode, GateMode, KdaOptions};
@@ -127,10 +127,155 @@ impl<'a> HeadActivation<'a> {
     }
 }
 
-/// One token of one value head on a logical `[K][V]` f32 state (spec section 2):
-/// `S *= exp(g)` by rows, `u = beta * (v - k S)`, `S += k u^T`, and with `readout = (q, o)`
-/// `o = q S` from the updated state. `k` is the activated key, `decay` is `exp(g)` (K values),
-/// `u` is V values of scratch.
+/// Runs `n` activated tokens of one value head over a logical `[K][V]` f32 state, token after
+/// token exactly as spec section 2 says: `S *= exp(g)` by rows, `u = beta * (v - k S)`,
+/// `S += k u^T`, and with `readout = (q, o)` the output `o = q S` from the updated state.
+///
+/// Rows `[n][K]` of `k` (activated) and `decay` (`exp(g)`), `beta` `[n]`, `v` `[n][V]`; with a
+/// read-out, `q` `[n][K]` (activated) and `o` `[n][V]`. `pred` and `u` are V values of scratch.
+///
+/// The update of token `t` and the decay and prediction of token `t + 1` share one pass over
+/// the state, so `n` tokens cost `n + 1` passes. Every element goes through the same
+/// operations in the same order as with one token per call, so the result is the same bits
+/// however a run of tokens is split into calls: eager decode, the replay of ring entries and
+/// the new tokens of a step agree bit for bit.
+///
+/// On x86-64 CPUs with AVX2 the same code runs compiled for AVX2 (wider vectors, the same
+/// operations element by element, so the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn token_steps(
+    state: &mut [f32],
+    k: &[f32],
+    decay: &[f32],
+    beta: &[f32],
+    v: &[f32],
+    readout: Option<(&[f32], &mut [f32])>,
+    pred: &mut [f32],
+    u: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above; the function is otherwise safe.
+        unsafe { token_steps_avx2(state, k, decay, beta, v, readout, pred, u) };
+        return;
+    }
+    token_steps_body(state, k, decay, beta, v, readout, pred, u);
+}
+
+/// [`token_steps_body`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn token_steps_avx2(
+    state: &mut [f32],
+    k: &[f32],
+    decay: &[f32],
+    beta: &[f32],
+    v: &[f32],
+    readout: Option<(&[f32], &mut [f32])>,
+    pred: &mut [f32],
+    u: &mut [f32],
+) {
+    token_steps_body(state, k, decay, beta, v, readout, pred, u);
+}
+
+/// The body of [`token_steps`], inlined into each instruction-set variant.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn token_steps_body(
+    state: &mut [f32],
+    k: &[f32],
+    decay: &[f32],
+    beta: &[f32],
+    v: &[f32],
+    mut readout: Option<(&[f32], &mut [f32])>,
+    pred: &mut [f32],
+    u: &mut [f32],
+) {
+    let n = beta.len();
+    if n == 0 {
+        return;
+    }
+    let vd = pred.len();
+    let kd = k.len() / n;
+    // Token 0: decay and predict.
+    pred.fill(0.0);
+    for ((row, &kk), &d) in state.chunks_exact_mut(vd).zip(&k[..kd]).zip(&decay[..kd]) {
+        for (s, p) in row.iter_mut().zip(pred.iter_mut()) {
+            *s *= d;
+            *p += kk * *s;
+        }
+    }
+    for t in 0..n {
+        for ((du, &p), &x) in u.iter_mut().zip(pred.iter()).zip(&v[t * vd..(t + 1) * vd]) {
+            *du = beta[t] * (x - p);
+        }
+        let kt = &k[t * kd..(t + 1) * kd];
+        let next = (t + 1 < n).then(|| {
+            (
+                &k[(t + 1) * kd..(t + 2) * kd],
+                &decay[(t + 1) * kd..(t + 2) * kd],
+            )
+        });
+        if next.is_some() {
+            pred.fill(0.0);
+        }
+        let u: &[f32] = u;
+        match (readout.as_mut(), next) {
+            (Some((q, o)), Some((k1, d1))) => {
+                let (qt, ot) = (&q[t * kd..(t + 1) * kd], &mut o[t * vd..(t + 1) * vd]);
+                ot.fill(0.0);
+                for (kx, row) in state.chunks_exact_mut(vd).enumerate() {
+                    let (a, b, c, d) = (kt[kx], qt[kx], k1[kx], d1[kx]);
+                    for (((s, &du), acc), p) in row
+                        .iter_mut()
+                        .zip(u)
+                        .zip(ot.iter_mut())
+                        .zip(pred.iter_mut())
+                    {
+                        let x = *s + a * du;
+                        *acc += b * x;
+                        let y = x * d;
+                        *p += c * y;
+                        *s = y;
+                    }
+                }
+            }
+            (Some((q, o)), None) => {
+                let (qt, ot) = (&q[t * kd..(t + 1) * kd], &mut o[t * vd..(t + 1) * vd]);
+                ot.fill(0.0);
+                for (kx, row) in state.chunks_exact_mut(vd).enumerate() {
+                    let (a, b) = (kt[kx], qt[kx]);
+                    for ((s, &du), acc) in row.iter_mut().zip(u).zip(ot.iter_mut()) {
+                        let x = *s + a * du;
+                        *acc += b * x;
+                        *s = x;
+                    }
+                }
+            }
+            (None, Some((k1, d1))) => {
+                for (kx, row) in state.chunks_exact_mut(vd).enumerate() {
+                    let (a, c, d) = (kt[kx], k1[kx], d1[kx]);
+                    for ((s, &du), p) in row.iter_mut().zip(u).zip(pred.iter_mut()) {
+                        let y = (*s + a * du) * d;
+                        *p += c * y;
+                        *s = y;
+                    }
+                }
+            }
+            (None, None) => {
+                for (kx, row) in state.chunks_exact_mut(vd).enumerate() {
+                    let a = kt[kx];
+                    for (s, &du) in row.iter_mut().zip(u) {
+                        *s += a * du;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One token: [`token_steps`] with `n = 1` (`u` is V values of scratch).
 #[inline]
 pub fn token_step(
     state: &mut [f32],
@@ -141,90 +286,131 @@ pub fn token_step(
     u: &mut [f32],
     readout: Option<(&[f32], &mut [f32])>,
 ) {
-    let vd = v.len();
-    u.fill(0.0);
-    for ((row, &kk), &d) in state.chunks_exact_mut(vd).zip(k).zip(decay) {
-        for (s, acc) in row.iter_mut().zip(u.iter_mut()) {
-            *s *= d;
-            *acc += kk * *s;
-        }
-    }
-    for (acc, &x) in u.iter_mut().zip(v) {
-        *acc = beta * (x - *acc);
-    }
-    match readout {
-        Some((q, o)) => {
-            o.fill(0.0);
-            for ((row, &kk), &qq) in state.chunks_exact_mut(vd).zip(k).zip(q) {
-                for ((s, &du), acc) in row.iter_mut().zip(u.iter()).zip(o.iter_mut()) {
-                    *s += kk * du;
-                    *acc += qq * *s;
-                }
-            }
-        }
-        None => {
-            for (row, &kk) in state.chunks_exact_mut(vd).zip(k) {
-                for (s, &du) in row.iter_mut().zip(u.iter()) {
-                    *s += kk * du;
-                }
-            }
-        }
-    }
+    let mut pred = vec![0.0; v.len()];
+    token_steps(state, k, decay, &[beta], v, readout, &mut pred, u);
 }
 
-/// The f32 buffers of one token of one value head, reused across tokens.
-#[derive(Debug, Clone)]
-pub struct TokenBuffers {
-    /// Query, K values (raw, then activated by [`TokenBuffers::activate`]).
-    pub q: Vec<f32>,
+/// The raw rows of one token being appended to a [`TokenRun`]: fill them, the run activates
+/// them.
+pub struct RawToken<'a> {
+    /// Query, K values (only when the run has read-outs).
+    pub q: &'a mut [f32],
     /// Key, K values.
-    pub k: Vec<f32>,
-    /// Gate input, K values; `exp(g)` after activation.
-    pub g: Vec<f32>,
+    pub k: &'a mut [f32],
+    /// Gate input, K values.
+    pub g: &'a mut [f32],
     /// Value, V values.
-    pub v: Vec<f32>,
-    /// beta input; activated beta after activation.
-    pub beta: f32,
-    /// Scratch of the step, V values.
-    pub u: Vec<f32>,
+    pub v: &'a mut [f32],
+    /// beta input.
+    pub beta: &'a mut f32,
 }
 
-impl TokenBuffers {
-    /// Buffers for key dim `kd` and value dim `vd`.
+/// The activated rows of a run of tokens of one value head, and the scratch to step them
+/// with [`token_steps`]; reused across runs.
+#[derive(Debug, Clone)]
+pub struct TokenRun {
+    kd: usize,
+    vd: usize,
+    with_query: bool,
+    k: Vec<f32>,
+    decay: Vec<f32>,
+    beta: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    pred: Vec<f32>,
+    u: Vec<f32>,
+}
+
+impl TokenRun {
+    /// An empty run for key dim `kd` and value dim `vd`.
     pub fn new(kd: usize, vd: usize) -> Self {
         Self {
-            q: vec![0.0; kd],
-            k: vec![0.0; kd],
-            g: vec![0.0; kd],
-            v: vec![0.0; vd],
-            beta: 0.0,
+            kd,
+            vd,
+            with_query: false,
+            k: Vec::new(),
+            decay: Vec::new(),
+            beta: Vec::new(),
+            v: Vec::new(),
+            q: Vec::new(),
+            pred: vec![0.0; vd],
             u: vec![0.0; vd],
         }
     }
 
-    /// Activates the raw inputs held in the buffers (q only when `with_query`).
-    #[inline]
-    pub fn activate(&mut self, act: &HeadActivation<'_>, with_query: bool) {
-        act.key(&mut self.k);
-        act.decay(&mut self.g);
-        self.beta = act.beta(self.beta);
-        if with_query {
-            act.query(&mut self.q);
+    /// Empties the run; its tokens will carry a query (and produce outputs) when `with_query`.
+    pub fn clear(&mut self, with_query: bool) {
+        self.with_query = with_query;
+        for x in [
+            &mut self.k,
+            &mut self.decay,
+            &mut self.beta,
+            &mut self.v,
+            &mut self.q,
+        ] {
+            x.clear();
         }
     }
 
-    /// Steps `state` with the activated token; writes the read-out into `out` when given.
+    /// Tokens in the run.
+    pub fn len(&self) -> usize {
+        self.beta.len()
+    }
+
+    /// Whether the run is empty.
+    pub fn is_empty(&self) -> bool {
+        self.beta.is_empty()
+    }
+
+    /// Appends a token: `fill` writes its raw rows, then they are activated with `act`.
     #[inline]
-    pub fn step(&mut self, state: &mut [f32], out: Option<&mut [f32]>) {
-        let readout = out.map(|o| (self.q.as_slice(), o));
-        token_step(
+    pub fn push(&mut self, act: &HeadActivation<'_>, fill: impl FnOnce(RawToken<'_>)) {
+        let (kd, vd) = (self.kd, self.vd);
+        let t = self.beta.len();
+        self.k.resize((t + 1) * kd, 0.0);
+        self.decay.resize((t + 1) * kd, 0.0);
+        self.v.resize((t + 1) * vd, 0.0);
+        self.beta.push(0.0);
+        let mut no_query = [0.0f32; 0];
+        if self.with_query {
+            self.q.resize((t + 1) * kd, 0.0);
+        }
+        let q: &mut [f32] = if self.with_query {
+            &mut self.q[t * kd..]
+        } else {
+            &mut no_query
+        };
+        fill(RawToken {
+            q,
+            k: &mut self.k[t * kd..],
+            g: &mut self.decay[t * kd..],
+            v: &mut self.v[t * vd..],
+            beta: &mut self.beta[t],
+        });
+        act.key(&mut self.k[t * kd..]);
+        act.decay(&mut self.decay[t * kd..]);
+        self.beta[t] = act.beta(self.beta[t]);
+        if self.with_query {
+            act.query(&mut self.q[t * kd..]);
+        }
+    }
+
+    /// Steps `state` through the run; `out` (`[n][V]`) receives the outputs of a run with
+    /// queries.
+    pub fn run(&mut self, state: &mut [f32], out: Option<&mut [f32]>) {
+        let readout = match (self.with_query, out) {
+            (true, Some(o)) => Some((self.q.as_slice(), o)),
+            _ => None,
+        };
+        token_steps(
             state,
             &self.k,
-            &self.g,
-            self.beta,
+            &self.decay,
+            &self.beta,
             &self.v,
-            &mut self.u,
             readout,
+            &mut self.pred,
+            &mut self.u,
         );
     }
 }
@@ -238,6 +424,51 @@ mod tests {
         assert_eq!(softplus(25.0), 25.0);
         assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
         assert!((softplus(-30.0) - (-30.0f32).exp()).abs() < 1e-18);
+    }
+
+    #[test]
+    fn a_run_of_tokens_gives_the_bits_of_one_token_per_call() {
+        let (kd, vd, n) = (5, 7, 6);
+        let mut x = 7u32;
+        let mut next = |scale: f32| {
+            x = crate::rounding::mix32(x);
+            (x as f32 / u32::MAX as f32 - 0.5) * scale
+        };
+        let k: Vec<f32> = (0..n * kd).map(|_| next(1.0)).collect();
+        let q: Vec<f32> = (0..n * kd).map(|_| next(1.0)).collect();
+        let decay: Vec<f32> = (0..n * kd).map(|_| 0.9 + next(0.2)).collect();
+        let beta: Vec<f32> = (0..n).map(|_| 0.5 + next(0.5)).collect();
+        let v: Vec<f32> = (0..n * vd).map(|_| next(2.0)).collect();
+        let s0: Vec<f32> = (0..kd * vd).map(|_| next(1.0)).collect();
+        let (mut pred, mut u) = (vec![0.0; vd], vec![0.0; vd]);
+        for readout in [false, true] {
+            let mut fused = s0.clone();
+            let mut o_fused = vec![0.0; n * vd];
+            let r = readout.then_some((q.as_slice(), o_fused.as_mut_slice()));
+            token_steps(&mut fused, &k, &decay, &beta, &v, r, &mut pred, &mut u);
+            let mut single = s0.clone();
+            let mut o_single = vec![0.0; n * vd];
+            for t in 0..n {
+                let (kr, vr) = (t * kd..(t + 1) * kd, t * vd..(t + 1) * vd);
+                let r = readout.then_some((&q[kr.clone()], &mut o_single[vr.clone()]));
+                token_step(
+                    &mut single,
+                    &k[kr.clone()],
+                    &decay[kr],
+                    beta[t],
+                    &v[vr],
+                    &mut u,
+                    r,
+                );
+            }
+            let bits = |x: &[f32]| x.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fused), bits(&single), "state, readout {readout}");
+            assert_eq!(
+                bits(&o_fused),
+                bits(&o_single),
+                "outputs, readout {readout}"
+            );
+        }
     }
 
     #[test]
