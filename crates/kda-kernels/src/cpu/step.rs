@@ -448,14 +448,14 @@ mod tests {
             token_steps(&mut fused, &k, &decay, &beta, &v, r, &mut pred, &mut u);
             let mut single = s0.clone();
             let mut o_single = vec![0.0; n * vd];
-            for t in 0..n {
+            for (t, &b) in beta.iter().enumerate() {
                 let (kr, vr) = (t * kd..(t + 1) * kd, t * vd..(t + 1) * vd);
                 let r = readout.then_some((&q[kr.clone()], &mut o_single[vr.clone()]));
                 token_step(
                     &mut single,
                     &k[kr.clone()],
                     &decay[kr],
-                    beta[t],
+                    b,
                     &v[vr],
                     &mut u,
                     r,
