@@ -12,6 +12,7 @@ pub mod checkpoint;
 pub mod dtype;
 pub mod error;
 pub mod geometry;
+pub mod health;
 pub mod layout;
 pub mod memory;
 pub mod pool;
@@ -26,6 +27,7 @@ pub use dtype::{
 };
 pub use error::{PoolError, Result};
 pub use geometry::{LayerMut, LayerPlanes, PoolConfig, PoolGeometry, RingMeta, RING_META_BYTES};
+pub use health::NonFinite;
 pub use layout::StateLayout;
 pub use memory::{DeviceMemory, HostBuffer, HostMemory};
 pub use pool::{Plane, StatePool};
