@@ -1,10 +1,11 @@
-//! Bad input on the CPU backend: every argument error names the argument and leaves the pool
+//! Isolation and bad input on the CPU backend: calls leave the slots they do not name alone and
+//! write every output; every argument error names the argument and leaves the pool
 //! byte-identical; the guards of the test kit catch a backend that breaks its promises.
 
 use kda_kernels::api::{Buf, IndexView, StepInputs, TensorView, TensorViewMut};
 use kda_kernels::testing::{
     assert_refused, bad_input_case, check_rejects_bad_input, initial_states, layer_with_states,
-    run_tokens, Case, DeviceInputs, HostInputs, TokenOp,
+    run_replay, run_tokens, Case, DeviceInputs, HostInputs, TokenOp,
 };
 use kda_kernels::{Backend, BatchPlan, CpuBackend, KdaOptions, Result};
 use rand::rngs::StdRng;
@@ -15,6 +16,82 @@ use state_pool::{HostBuffer, HostMemory, LayerMut};
 fn bad_input_is_an_error_naming_the_argument_and_leaves_the_pool_unchanged() {
     check_rejects_bad_input(&CpuBackend, 1);
     check_rejects_bad_input(&CpuBackend, 2);
+}
+
+#[test]
+fn every_operation_leaves_unnamed_slots_untouched_and_writes_every_output() {
+    // The runners poison the output and every slot not in the call, and compare bytes after
+    // each call (see `kda_kernels::testing::guarded`); here every operation goes through them
+    // on a pool where most slots are poisoned, across both layouts and 2-byte rounding.
+    let be = CpuBackend;
+    for (i, layout) in [
+        state_pool::StateLayout::KFirst,
+        state_pool::StateLayout::VFirst,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let case = Case {
+            layout,
+            ring_len: 3,
+            state_dtype: state_pool::Dtype::Bf16,
+            total_slots: 7,
+            ..Case::new(2, 4, 5, 3).with_seqs(&[4, 0, 2], &[5, 1, 3])
+        };
+        let mut rng = StdRng::seed_from_u64(i as u64);
+        let init = initial_states(&case, &mut rng);
+        let mut layer = layer_with_states(&be, &case, &init, &mut rng);
+        let opts = case.opts;
+        let inputs = HostInputs::random(
+            &mut rng,
+            case.dims(),
+            case.num_tokens(),
+            &opts,
+            case.input_dtype,
+        );
+        let ones = [0, 1, 2, 3];
+        let params = (&inputs.a_log, &inputs.dt_bias);
+        run_tokens(
+            &be,
+            &mut layer,
+            TokenOp::Prefill,
+            &case.bounds(),
+            &case.slots,
+            &inputs,
+            &opts,
+        )
+        .expect("prefill");
+        run_tokens(
+            &be,
+            &mut layer,
+            TokenOp::Decode,
+            &ones,
+            &case.slots,
+            &inputs.gather(&[0, 1, 2]),
+            &opts,
+        )
+        .expect("decode");
+        run_tokens(
+            &be,
+            &mut layer,
+            TokenOp::SpecVerify(&[0, 0]),
+            &[0, 3, 5],
+            &case.slots[..2],
+            &inputs.gather(&[0, 1, 2, 3, 4]),
+            &opts,
+        )
+        .expect("spec_verify");
+        run_replay(
+            &be,
+            &mut layer,
+            &case.slots[1..],
+            Some(&[2, 0]),
+            &opts,
+            params.0,
+            params.1,
+        )
+        .expect("replay");
+    }
 }
 
 #[test]
