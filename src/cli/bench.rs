@@ -1,12 +1,627 @@
-//! `kda-pool bench` (not implemented yet).
+//! `kda-pool bench`: decode, spec_verify and replay on the GPU, against the device's own
+//! copy bandwidth measured in the same run.
+//!
+//! Method: each case allocates a pool of `R` disjoint slot sets of `N` slots (slots shuffled,
+//! `R * N * state bytes` well above the L2 size where memory allows), fills the state and the
+//! inputs with random values on the device, runs one warm-up call per set (which also compiles
+//! the kernel), then captures one call per set into a CUDA graph and times graph replays with
+//! CUDA events. The ring's bookkeeping evolves on the device across replays, so ring decode and
+//! spec_verify are measured in their steady state. Bytes counted: the state read and written,
+//! plus the ring entries read and written (averaged over the ring's cycle, simulated on the
+//! host for the accepted counts used).
+
+use std::io::Write;
+
+use kda_kernels::cuda::{CudaBackend, CudaBatch, CudaBuffer};
+use kda_kernels::{Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs};
+use kda_kernels::{TensorView, TensorViewMut};
+use state_pool::{DeviceMemory, Dtype, LayerPlanes, PoolGeometry, Rounding, StateLayout};
 
 use super::CliError;
 
 /// Arguments of `kda-pool bench`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Which operations: decode, spec, replay or all.
+    #[arg(long, default_value = "all")]
+    pub op: String,
+    /// Write the rows as a JSON array to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Backend (only `cuda` benchmarks).
+    #[arg(long, default_value = "cuda")]
+    pub backend: String,
+    /// q/k heads (= value heads), comma-separated.
+    #[arg(long, default_value = "12,32")]
+    pub heads: String,
+    /// Sequences per decode call, comma-separated.
+    #[arg(long, default_value = "1,64,256")]
+    pub seqs: String,
+    /// Pool dtypes, comma-separated.
+    #[arg(long, default_value = "fp32,fp16,bf16")]
+    pub states: String,
+    /// State layouts, comma-separated (kfirst, vfirst).
+    #[arg(long, default_value = "kfirst")]
+    pub layouts: String,
+    /// Ring length of the ring-decode cases.
+    #[arg(long, default_value_t = 8)]
+    pub ring: usize,
+    /// Timed graph replays per case (32: four cycles of a ring of 8).
+    #[arg(long, default_value_t = 32)]
+    pub replays: usize,
+    /// Also time eager decode with these warps per CTA (comma-separated, 1..=8; tuning).
+    #[arg(long)]
+    pub warps: Option<String>,
+}
+
+fn usage(msg: impl Into<String>) -> CliError {
+    CliError::Usage(msg.into())
+}
+
+fn list<T>(
+    arg: &str,
+    s: &str,
+    parse: impl Fn(&str) -> Option<T>,
+    accepted: &str,
+) -> Result<Vec<T>, CliError> {
+    s.split(',')
+        .map(|x| {
+            parse(x.trim()).ok_or_else(|| {
+                usage(format!(
+                    "--{arg}: '{x}' is not accepted; expected {accepted}"
+                ))
+            })
+        })
+        .collect()
+}
+
+fn positive(x: &str) -> Option<usize> {
+    x.parse::<usize>().ok().filter(|&v| v > 0)
+}
+
+/// One measured case.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Row {
+    op: String,
+    #[serde(rename = "H")]
+    h: usize,
+    #[serde(rename = "N")]
+    n: usize,
+    #[serde(rename = "T")]
+    t: usize,
+    ring_len: usize,
+    state: String,
+    layout: String,
+    us: f64,
+    state_bytes: f64,
+    pct_of_copy: f64,
+}
+
+const KD: usize = 128;
+const IN: Dtype = Dtype::Bf16;
+
+fn opts() -> KdaOptions {
+    KdaOptions {
+        scale: None,
+        l2norm_qk: true,
+        gate: GateMode::Softplus,
+        beta: BetaMode::Sigmoid,
+        allow_neg_eigval: false,
+    }
+}
+
+fn kerr(e: kda_kernels::KernelError) -> CliError {
+    CliError::from(e)
+}
+
+fn perr(e: state_pool::PoolError) -> CliError {
+    CliError::Failed(e.to_string())
+}
+
+/// The token inputs of one case (bf16, random) and the gate parameters (f32).
+struct Inputs {
+    q: CudaBuffer,
+    k: CudaBuffer,
+    v: CudaBuffer,
+    g: CudaBuffer,
+    beta: CudaBuffer,
+    a_log: CudaBuffer,
+    dt_bias: CudaBuffer,
+    tokens: usize,
+    h: usize,
+}
+
+impl Inputs {
+    fn view(&self) -> StepInputs<'_, CudaBuffer> {
+        let (t, h) = (self.tokens, self.h);
+        fn tv(buf: &CudaBuffer, len: usize) -> TensorView<'_, CudaBuffer> {
+            TensorView {
+                buf,
+                dtype: IN,
+                len,
+            }
+        }
+        StepInputs {
+            q: tv(&self.q, t * h * KD),
+            k: tv(&self.k, t * h * KD),
+            v: tv(&self.v, t * h * KD),
+            g: tv(&self.g, t * h * KD),
+            beta: tv(&self.beta, t * h),
+            a_log: Some(self.a_log_view()),
+            dt_bias: Some(self.dt_bias_view()),
+        }
+    }
+    fn a_log_view(&self) -> TensorView<'_, CudaBuffer> {
+        TensorView {
+            buf: &self.a_log,
+            dtype: Dtype::Fp32,
+            len: self.h,
+        }
+    }
+    fn dt_bias_view(&self) -> TensorView<'_, CudaBuffer> {
+        TensorView {
+            buf: &self.dt_bias,
+            dtype: Dtype::Fp32,
+            len: self.h * KD,
+        }
+    }
+}
+
+/// The device buffers of one case.
+struct Setup {
+    geometry: PoolGeometry,
+    planes: LayerPlanes<CudaBuffer>,
+    batches: Vec<CudaBatch>,
+    inputs: Inputs,
+    out: CudaBuffer,
+}
+
+/// Sets of a pool: enough that the sets' state exceeds ~4x a 60 MB L2, 8..=64 sets.
+fn num_sets(set_bytes: usize) -> usize {
+    (256usize << 20).div_ceil(set_bytes.max(1)).clamp(8, 64)
+}
+
+fn setup(
+    be: &CudaBackend,
+    h: usize,
+    n: usize,
+    t: usize,
+    ring_len: usize,
+    state: Dtype,
+    layout: StateLayout,
+) -> Result<Setup, CliError> {
+    let mem = be.memory();
+    let set_bytes = n * h * KD * KD * state.size();
+    let r = num_sets(set_bytes);
+    let geometry = PoolGeometry {
+        layers: 1,
+        h,
+        hv: h,
+        k: KD,
+        v: KD,
+        conv_rows: 0,
+        conv_channels: 0,
+        conv_dtype: Dtype::Bf16,
+        state_dtype: state,
+        layout,
+        ring_len,
+        ring_dtype: IN,
+        slots: r * n,
+        checkpoint_slots: 0,
+        rounding: Rounding::Nearest,
+    };
+    let mut planes = LayerPlanes::new(mem, &geometry, 0).map_err(perr)?;
+    be.fill_random(&mut planes.ssm, state, 1, 0.1)
+        .map_err(kerr)?;
+    be.fill_random(&mut planes.ring, IN, 2, 1.0).map_err(kerr)?;
+    // a deterministic shuffle of the slots, cut into R disjoint sets
+    let mut slots: Vec<u32> = (0..(r * n) as u32).collect();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..slots.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        slots.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let bounds: Vec<usize> = (0..=n).map(|i| i * t).collect();
+    let batches = slots
+        .chunks(n)
+        .map(|s| {
+            be.prepare(BatchPlan {
+                bounds: bounds.clone(),
+                slots: s.to_vec(),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(kerr)?;
+    let tokens = n * t;
+    let rnd = |len: usize, dtype: Dtype, seed: u32, scale: f32| -> Result<CudaBuffer, CliError> {
+        let mut b = mem.alloc_zeroed(len * dtype.size()).map_err(perr)?;
+        be.fill_random(&mut b, dtype, seed, scale).map_err(kerr)?;
+        Ok(b)
+    };
+    Ok(Setup {
+        inputs: Inputs {
+            q: rnd(tokens * h * KD, IN, 3, 1.0)?,
+            k: rnd(tokens * h * KD, IN, 4, 1.0)?,
+            v: rnd(tokens * h * KD, IN, 5, 1.0)?,
+            g: rnd(tokens * h * KD, IN, 6, 1.0)?,
+            beta: rnd(tokens * h, IN, 7, 1.0)?,
+            a_log: rnd(h, Dtype::Fp32, 8, 1.0)?,
+            dt_bias: rnd(h * KD, Dtype::Fp32, 9, 0.1)?,
+            tokens,
+            h,
+        },
+        out: rnd(tokens * h * KD, IN, 10, 1.0)?,
+        geometry,
+        planes,
+        batches,
+    })
+}
+
+impl Setup {
+    fn n(&self) -> usize {
+        self.batches[0].as_ref().num_seqs()
+    }
+    /// Bytes of the state of one slot set.
+    fn state_bytes(&self) -> f64 {
+        (self.n() * self.geometry.ssm_slot_bytes()) as f64
+    }
+    /// Bytes of one ring entry of every sequence of a set.
+    fn entry_bytes(&self) -> f64 {
+        (self.n() * self.geometry.ring_entry_elems() * IN.size()) as f64
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Decode,
+    Spec,
+    Replay,
+}
+
+/// Enqueues one call of `kind` on slot set `set` (accepted counts from `acc`).
+fn enqueue(
+    be: &CudaBackend,
+    s: &mut Setup,
+    kind: Kind,
+    set: usize,
+    acc: Option<&CudaBuffer>,
+) -> Result<(), CliError> {
+    let out_len = s.inputs.tokens * s.geometry.hv * KD;
+    let o = opts();
+    let Setup {
+        geometry,
+        planes,
+        batches,
+        inputs,
+        out,
+    } = s;
+    let n = batches[set].as_ref().num_seqs();
+    let mut layer = planes.view(geometry);
+    let batch = &batches[set];
+    let accepted = acc.map(|buf| IndexView { buf, len: n });
+    let r = match kind {
+        Kind::Decode | Kind::Spec => {
+            let mut out = TensorViewMut {
+                buf: out,
+                dtype: IN,
+                len: out_len,
+            };
+            let inp = inputs.view();
+            match (kind, &accepted) {
+                (Kind::Spec, Some(a)) => {
+                    be.enqueue_spec_verify(batch, a, &inp, &o, &mut layer, &mut out)
+                }
+                _ => be.enqueue_decode(batch, &inp, &o, &mut layer, &mut out),
+            }
+        }
+        Kind::Replay => be.enqueue_replay(
+            batch,
+            accepted.as_ref(),
+            &o,
+            Some(&inputs.a_log_view()),
+            Some(&inputs.dt_bias_view()),
+            &mut layer,
+        ),
+    };
+    r.map_err(kerr)
+}
+
+/// The ring's steady state over `calls` spec_verify calls of `t` drafts with accepted counts
+/// `acc` (one per sequence) on a ring of `ring_len`: mean fraction of sequences that store the
+/// state, and mean pending entries folded per sequence.
+fn simulate_spec(acc: &[u32], t: usize, ring_len: usize, calls: usize) -> (f64, f64) {
+    let (mut stores, mut folded) = (0usize, 0usize);
+    let mut metas = vec![(0usize, 0usize); acc.len()]; // (len, pending)
+    let warm = 4 * (ring_len + 1);
+    for c in 0..warm + calls {
+        for (i, m) in metas.iter_mut().enumerate() {
+            let drafts = m.0 - m.1;
+            let a = if c == 0 {
+                0
+            } else {
+                (acc[i] as usize).min(drafts)
+            };
+            let pend = m.1 + a;
+            let commit = pend + t > ring_len;
+            if c >= warm {
+                folded += pend;
+                stores += usize::from(commit);
+            }
+            *m = if commit { (t, 0) } else { (pend + t, pend) };
+        }
+    }
+    let total = (calls * acc.len()) as f64;
+    (stores as f64 / total, folded as f64 / total)
+}
+
+struct Bench<'a> {
+    be: &'a CudaBackend,
+    copy_bw: f64,
+    replays: usize,
+    rows: Vec<Row>,
+}
+
+impl Bench<'_> {
+    /// Times one call per slot set, captured in one graph; returns microseconds per call.
+    fn time(&self, s: &mut Setup, kind: Kind, acc: Option<&CudaBuffer>) -> Result<f64, CliError> {
+        let be = self.be;
+        let sets = s.batches.len();
+        let graph = be
+            .capture(|| {
+                for set in 0..sets {
+                    enqueue(be, s, kind, set, acc).map_err(|e| {
+                        kda_kernels::KernelError::Device {
+                            backend: "cuda",
+                            msg: e.to_string(),
+                        }
+                    })?;
+                }
+                Ok(())
+            })
+            .map_err(kerr)?;
+        let us = be.time_graph(&graph, 3, self.replays).map_err(kerr)?;
+        be.check_device_errors().map_err(kerr)?;
+        Ok(us / sets as f64)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &mut self,
+        op: &str,
+        h: usize,
+        n: usize,
+        t: usize,
+        ring: usize,
+        state: Dtype,
+        layout: StateLayout,
+        us: f64,
+        bytes: f64,
+    ) {
+        let pct = 100.0 * bytes / (us * 1e-6) / self.copy_bw;
+        println!(
+            "{op:<8} H={h:<3} N={n:<4} T={t} ring={ring:<2} {:<5} {:<6} {us:>9.2} us {:>8.1} MB {:>7.2} TB/s {pct:>6.1}% of copy",
+            state.name(),
+            layout.name(),
+            bytes / 1e6,
+            bytes / (us * 1e-6) / 1e12,
+        );
+        let _ = std::io::stdout().flush();
+        self.rows.push(Row {
+            op: op.into(),
+            h,
+            n,
+            t,
+            ring_len: ring,
+            state: state.name().into(),
+            layout: layout.name().into(),
+            us,
+            state_bytes: bytes,
+            pct_of_copy: pct,
+        });
+    }
+}
 
 /// Runs `kda-pool bench`.
-pub fn run(_args: Args) -> Result<(), CliError> {
-    Err(CliError::Usage("bench is not implemented yet".into()))
+pub fn run(args: Args) -> Result<(), CliError> {
+    if args.backend != "cuda" {
+        return Err(usage(format!(
+            "--backend: '{}' is not accepted; bench measures the GPU: expected cuda",
+            args.backend
+        )));
+    }
+    let ops: Vec<Kind> = match args.op.as_str() {
+        "decode" => vec![Kind::Decode],
+        "spec" => vec![Kind::Spec],
+        "replay" => vec![Kind::Replay],
+        "all" => vec![Kind::Decode, Kind::Spec, Kind::Replay],
+        other => {
+            return Err(usage(format!(
+                "--op: '{other}' is not accepted; expected decode, spec, replay or all"
+            )))
+        }
+    };
+    let heads = list("heads", &args.heads, positive, "positive integers")?;
+    let seqs = list("seqs", &args.seqs, positive, "positive integers")?;
+    let states = list("states", &args.states, Dtype::parse, "fp32, fp16, bf16")?;
+    let layouts = list(
+        "layouts",
+        &args.layouts,
+        StateLayout::parse,
+        "kfirst, vfirst",
+    )?;
+    let warps = match &args.warps {
+        Some(w) => list(
+            "warps",
+            w,
+            |x| x.parse::<u32>().ok().filter(|v| (1..=8).contains(v)),
+            "1..=8",
+        )?,
+        None => vec![],
+    };
+    if args.replays == 0 {
+        return Err(usage("--replays: 0 is not accepted; expected at least 1"));
+    }
+    if args.ring == 0 {
+        return Err(usage(
+            "--ring: 0 is not accepted; expected a ring length of at least 1",
+        ));
+    }
+    let be = CudaBackend::new().map_err(kerr)?;
+    println!("device: {}", be.device_name());
+    // warm the clocks up, then measure the copy ceiling
+    be.copy_bandwidth(1 << 30).map_err(kerr)?;
+    let copy_bw = be.copy_bandwidth(1 << 30).map_err(kerr)?;
+    println!(
+        "device-to-device copy: {:.3} TB/s (read + write, 1 GiB, graph replays)",
+        copy_bw / 1e12
+    );
+    let mut b = Bench {
+        be: &be,
+        copy_bw,
+        replays: args.replays,
+        rows: Vec::new(),
+    };
+
+    for &kind in &ops {
+        for &layout in &layouts {
+            for &h in &heads {
+                for &state in &states {
+                    match kind {
+                        Kind::Decode => {
+                            for &n in &seqs {
+                                // eager
+                                let mut s = setup(&be, h, n, 1, 0, state, layout)?;
+                                for set in 0..s.batches.len() {
+                                    enqueue(&be, &mut s, kind, set, None)?;
+                                }
+                                let sb = s.state_bytes();
+                                let us = b.time(&mut s, kind, None)?;
+                                b.record("decode", h, n, 1, 0, state, layout, us, 2.0 * sb);
+                                for &w in &warps {
+                                    be.set_eager_warps(Some(w)).map_err(kerr)?;
+                                    let us = b.time(&mut s, kind, None)?;
+                                    b.record(
+                                        &format!("decode-w{w}"),
+                                        h,
+                                        n,
+                                        1,
+                                        0,
+                                        state,
+                                        layout,
+                                        us,
+                                        2.0 * sb,
+                                    );
+                                }
+                                be.set_eager_warps(None).map_err(kerr)?;
+                                drop(s);
+                                // with a ring
+                                let l = args.ring;
+                                let mut s = setup(&be, h, n, 1, l, state, layout)?;
+                                for set in 0..s.batches.len() {
+                                    enqueue(&be, &mut s, kind, set, None)?;
+                                }
+                                let (sb, eb) = (s.state_bytes(), s.entry_bytes());
+                                let us = b.time(&mut s, kind, None)?;
+                                let bytes = sb + sb / l as f64 + eb * ((l + 1) as f64 / 2.0 + 1.0);
+                                b.record("decode", h, n, 1, l, state, layout, us, bytes);
+                            }
+                        }
+                        Kind::Spec => {
+                            for t in [2usize, 4] {
+                                let n = 64;
+                                let l = 2 * (t + 1);
+                                let mut s = setup(&be, h, n, t, l, state, layout)?;
+                                let zeros =
+                                    be.memory().upload_slice(&vec![0u32; n]).map_err(perr)?;
+                                // accepted counts 1..=T, fixed (the drafts of the previous verify)
+                                let acc: Vec<u32> =
+                                    (0..n).map(|i| 1 + (i * 7 % t) as u32).collect();
+                                let acc_buf = be.memory().upload_slice(&acc).map_err(perr)?;
+                                for set in 0..s.batches.len() {
+                                    enqueue(&be, &mut s, kind, set, Some(&zeros))?;
+                                }
+                                be.check_device_errors().map_err(kerr)?;
+                                let us = b.time(&mut s, kind, Some(&acc_buf))?;
+                                let (store_frac, folded) = simulate_spec(&acc, t, l, 64);
+                                let (sb, eb) = (s.state_bytes(), s.entry_bytes());
+                                let bytes = sb * (1.0 + store_frac) + eb * (folded + t as f64);
+                                b.record("spec", h, n, t, l, state, layout, us, bytes);
+                            }
+                        }
+                        Kind::Replay => {
+                            for &n in seqs.iter().filter(|&&n| n > 1) {
+                                let l = args.ring;
+                                let mut s = setup(&be, h, n, 0, l, state, layout)?;
+                                // every slot's ring full of pending entries before each flush:
+                                // a graph of (reset the records, replay) minus (reset alone)
+                                let full: Vec<u32> = (0..s.geometry.total_slots())
+                                    .flat_map(|_| [l as u32, l as u32, 0, 0])
+                                    .collect();
+                                let template = be.memory().upload_slice(&full).map_err(perr)?;
+                                let bytes_meta = full.len() * 4;
+                                let reset =
+                                    |s: &mut Setup| -> Result<(), kda_kernels::KernelError> {
+                                        be.copy_device(&template, &mut s.planes.meta, bytes_meta)
+                                    };
+                                reset(&mut s).map_err(kerr)?;
+                                for set in 0..s.batches.len() {
+                                    enqueue(&be, &mut s, kind, set, None)?;
+                                }
+                                let sets = s.batches.len();
+                                let g_both = be
+                                    .capture(|| {
+                                        for set in 0..sets {
+                                            reset(&mut s)?;
+                                            enqueue(&be, &mut s, kind, set, None).map_err(|e| {
+                                                kda_kernels::KernelError::Device {
+                                                    backend: "cuda",
+                                                    msg: e.to_string(),
+                                                }
+                                            })?;
+                                        }
+                                        Ok(())
+                                    })
+                                    .map_err(kerr)?;
+                                let g_reset = be
+                                    .capture(|| {
+                                        for _ in 0..sets {
+                                            reset(&mut s)?;
+                                        }
+                                        Ok(())
+                                    })
+                                    .map_err(kerr)?;
+                                let both = be.time_graph(&g_both, 3, b.replays).map_err(kerr)?;
+                                let only = be.time_graph(&g_reset, 3, b.replays).map_err(kerr)?;
+                                be.check_device_errors().map_err(kerr)?;
+                                let us = (both - only) / sets as f64;
+                                let (sb, eb) = (s.state_bytes(), s.entry_bytes());
+                                b.record(
+                                    "replay",
+                                    h,
+                                    n,
+                                    0,
+                                    l,
+                                    state,
+                                    layout,
+                                    us,
+                                    2.0 * sb + eb * l as f64,
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    if let Some(path) = &args.json {
+        let text =
+            serde_json::to_string_pretty(&b.rows).map_err(|e| CliError::Failed(e.to_string()))?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| usage(format!("--json: cannot write {}: {e}", path.display())))?;
+        println!("wrote {} rows to {}", b.rows.len(), path.display());
+    }
+    Ok(())
 }

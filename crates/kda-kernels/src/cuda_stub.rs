@@ -173,15 +173,35 @@ impl CudaBackend {
         match *self {}
     }
     /// Mean device time of one graph replay in microseconds.
-    pub fn time_graph(&self, _graph: &CapturedGraph, _warmup: usize, _replays: usize) -> Result<f64> {
+    pub fn time_graph(
+        &self,
+        _graph: &CapturedGraph,
+        _warmup: usize,
+        _replays: usize,
+    ) -> Result<f64> {
         match *self {}
     }
     /// Device-to-device copy bandwidth in bytes per second (read plus write).
     pub fn copy_bandwidth(&self, _bytes: usize) -> Result<f64> {
         match *self {}
     }
+    /// Enqueues a device-to-device copy of `bytes` bytes.
+    pub fn copy_device(
+        &self,
+        _src: &CudaBuffer,
+        _dst: &mut CudaBuffer,
+        _bytes: usize,
+    ) -> Result<()> {
+        match *self {}
+    }
     /// Fills `buf` with pseudo-random values of `dtype`.
-    pub fn fill_random(&self, _buf: &mut CudaBuffer, _dtype: Dtype, _seed: u32, _scale: f32) -> Result<()> {
+    pub fn fill_random(
+        &self,
+        _buf: &mut CudaBuffer,
+        _dtype: Dtype,
+        _seed: u32,
+        _scale: f32,
+    ) -> Result<()> {
         match *self {}
     }
 }

@@ -39,7 +39,9 @@ pub struct CudaBatch {
 
 impl std::fmt::Debug for CudaBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaBatch").field("plan", &self.plan).finish()
+        f.debug_struct("CudaBatch")
+            .field("plan", &self.plan)
+            .finish()
     }
 }
 
@@ -125,8 +127,10 @@ impl CudaBackend {
             .map_err(|e| unavailable(format!("stream: {e}")))?;
         let mem = CudaMemory::new(stream);
         let err = mem.upload_slice(&[0u32, NO_SLOT, 0, 0])?;
-        let num_sms = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        let num_sms =
+            ctx.attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
             .map_err(|e| unavailable(format!("device attribute: {e}")))? as u32;
         let (major, minor) = ctx
             .compute_capability()
@@ -161,26 +165,31 @@ impl CudaBackend {
     pub fn set_eager_warps(&self, warps: Option<u32>) -> Result<()> {
         if let Some(w) = warps {
             if !(1..=8).contains(&w) {
-                return Err(KernelError::arg(
-                    "warps",
-                    format!("is {w}; expected 1..=8"),
-                ));
+                return Err(KernelError::arg("warps", format!("is {w}; expected 1..=8")));
             }
         }
-        *self.eager_warps.lock().map_err(|_| device_err("lock", "poisoned"))? = warps;
+        *self
+            .eager_warps
+            .lock()
+            .map_err(|_| device_err("lock", "poisoned"))? = warps;
         Ok(())
     }
 
     /// Waits for all enqueued work.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream().synchronize().map_err(|e| device_err("synchronize", e))
+        self.stream()
+            .synchronize()
+            .map_err(|e| device_err("synchronize", e))
     }
 
     /// Reports (and clears) the violations the kernels recorded since the last check: an
     /// accepted count above a slot's drafts (clamped), decode on a slot with drafts (dropped),
     /// a corrupt ring record (clamped). Waits for all enqueued work.
     pub fn check_device_errors(&self) -> Result<()> {
-        let mut err = self.err.lock().map_err(|_| device_err("lock", "poisoned"))?;
+        let mut err = self
+            .err
+            .lock()
+            .map_err(|_| device_err("lock", "poisoned"))?;
         let mut words = [0u8; 16];
         self.mem.read(&err, 0, &mut words)?;
         let w: [u32; 4] = bytemuck::cast(words);
@@ -290,7 +299,11 @@ impl CudaBackend {
             if acc.buf.len() < n * 4 {
                 return Err(KernelError::arg(
                     "accepted",
-                    format!("buffer has {} bytes; {n} u32 counts need {}", acc.buf.len(), n * 4),
+                    format!(
+                        "buffer has {} bytes; {n} u32 counts need {}",
+                        acc.buf.len(),
+                        n * 4
+                    ),
                 ));
             }
         }
@@ -371,7 +384,10 @@ impl CudaBackend {
             let w = warps_per_head.min(8);
             (g.h, g.group(), 1usize, w)
         } else {
-            let fixed = *self.eager_warps.lock().map_err(|_| device_err("lock", "poisoned"))?;
+            let fixed = *self
+                .eager_warps
+                .lock()
+                .map_err(|_| device_err("lock", "poisoned"))?;
             let w = match fixed {
                 Some(w) => w as usize,
                 None => {
@@ -390,10 +406,16 @@ impl CudaBackend {
         if grid > i32::MAX as usize {
             return Err(KernelError::arg(
                 "slots",
-                format!("{n} sequences need {grid} CTAs; at most {} fit one launch", i32::MAX),
+                format!(
+                    "{n} sequences need {grid} CTAs; at most {} fit one launch",
+                    i32::MAX
+                ),
             ));
         }
-        let err = self.err.lock().map_err(|_| device_err("lock", "poisoned"))?;
+        let err = self
+            .err
+            .lock()
+            .map_err(|_| device_err("lock", "poisoned"))?;
         let inputs = call.inputs;
         let (a_log, dt_bias) = match inputs {
             Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),
@@ -479,7 +501,11 @@ impl<'a, 'b> Call<'a, 'b> {
     ) -> Self {
         Self {
             op,
-            code: if op == Op::Decode { OpCode::Decode } else { OpCode::Spec },
+            code: if op == Op::Decode {
+                OpCode::Decode
+            } else {
+                OpCode::Spec
+            },
             batch,
             accepted,
             inputs: Some(inputs),
@@ -528,7 +554,10 @@ impl Backend for CudaBackend {
     fn prepare(&self, plan: BatchPlan) -> Result<CudaBatch> {
         let to_u32 = |x: usize, what: &'static str| {
             u32::try_from(x).map_err(|_| {
-                KernelError::arg(what, format!("value {x} does not fit the device's u32 indices"))
+                KernelError::arg(
+                    what,
+                    format!("value {x} does not fit the device's u32 indices"),
+                )
             })
         };
         let bounds = plan

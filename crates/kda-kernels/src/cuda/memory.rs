@@ -98,7 +98,10 @@ impl DeviceMemory for CudaMemory {
 
     fn alloc_zeroed(&self, bytes: usize) -> state_pool::Result<CudaBuffer> {
         if bytes == 0 {
-            return Ok(CudaBuffer { slice: None, len: 0 });
+            return Ok(CudaBuffer {
+                slice: None,
+                len: 0,
+            });
         }
         let slice = self
             .stream

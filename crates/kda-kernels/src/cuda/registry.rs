@@ -190,11 +190,27 @@ mod tests {
         let mut keys = Vec::new();
         for state in Dtype::ALL {
             for layout in [StateLayout::KFirst, StateLayout::VFirst] {
-                keys.push(StepKey { state, input: Dtype::Bf16, layout, k: 128, v: 128 });
+                keys.push(StepKey {
+                    state,
+                    input: Dtype::Bf16,
+                    layout,
+                    k: 128,
+                    v: 128,
+                });
             }
         }
-        for (k, v, input) in [(5, 7, Dtype::Fp32), (40, 24, Dtype::Fp16), (256, 64, Dtype::Bf16)] {
-            keys.push(StepKey { state: Dtype::Fp16, input, layout: StateLayout::VFirst, k, v });
+        for (k, v, input) in [
+            (5, 7, Dtype::Fp32),
+            (40, 24, Dtype::Fp16),
+            (256, 64, Dtype::Bf16),
+        ] {
+            keys.push(StepKey {
+                state: Dtype::Fp16,
+                input,
+                layout: StateLayout::VFirst,
+                k,
+                v,
+            });
         }
         for key in keys {
             match try_compile(&step_source(&key), "kda_decode.cu") {

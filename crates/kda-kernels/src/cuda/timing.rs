@@ -7,10 +7,10 @@ use cudarc::driver::{CudaGraph, LaunchConfig, PushKernelArg};
 use state_pool::{DeviceMemory, Dtype};
 
 use super::backend::{device_err, CudaBackend};
-use crate::api::Backend;
 use super::memory::CudaBuffer;
 use super::params::FillParams;
 use super::registry::fill_kernel;
+use crate::api::Backend;
 use crate::error::{KernelError, Result};
 
 /// A captured sequence of enqueued calls, replayable as one CUDA graph.
@@ -27,7 +27,9 @@ impl std::fmt::Debug for CapturedGraph {
 impl CapturedGraph {
     /// Enqueues one replay of the graph.
     pub fn launch(&self) -> Result<()> {
-        self.graph.launch().map_err(|e| device_err("graph launch", e))
+        self.graph
+            .launch()
+            .map_err(|e| device_err("graph launch", e))
     }
 }
 
@@ -97,9 +99,39 @@ impl CudaBackend {
         Ok(2.0 * bytes as f64 / (us * 1e-6))
     }
 
+    /// Enqueues a copy of the first `bytes` bytes of `src` into `dst` (no synchronisation,
+    /// so it can be captured in a graph).
+    pub fn copy_device(&self, src: &CudaBuffer, dst: &mut CudaBuffer, bytes: usize) -> Result<()> {
+        if bytes > src.len() || bytes > dst.len() {
+            return Err(KernelError::arg(
+                "bytes",
+                format!(
+                    "is {bytes}; the buffers hold {} and {} bytes",
+                    src.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        let s = self.stream();
+        let (sp, dp) = (src.device_ptr(s), dst.device_ptr(s));
+        // SAFETY: both ranges lie inside live allocations (checked above), which are distinct
+        // (`dst` is borrowed mutably); the copy is ordered on the stream that owns them.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dp, sp, bytes, s.cu_stream()) }
+            .map_err(|e| device_err("copy", e))
+    }
+
     /// Fills `buf` with reproducible pseudo-random values of `dtype`, uniform in
     /// `[-scale, scale)` (the whole buffer; its length must be a multiple of the size).
-    pub fn fill_random(&self, buf: &mut CudaBuffer, dtype: Dtype, seed: u32, scale: f32) -> Result<()> {
+    pub fn fill_random(
+        &self,
+        buf: &mut CudaBuffer,
+        dtype: Dtype,
+        seed: u32,
+        scale: f32,
+    ) -> Result<()> {
         let len = buf.len() / dtype.size();
         if len == 0 {
             return Ok(());
