@@ -305,7 +305,7 @@ fn bad_inputs_exit_2_with_one_line() {
         (
             vec![],
             vec![("KDA_SSM_DTYPE", "fp16"), ("ATOM_KDA_SSM_DTYPE", "bf16")],
-            "ATOM_KDA_SSM_DTYPE=bf16",
+            "ATOM_KDA_SSM_DTYPE is bf16",
         ),
         (vec!["--slots", "0"], vec![], "--slots"),
         (vec!["--slots", "many"], vec![], "--slots"),
