@@ -230,6 +230,14 @@ pub fn parse(bytes: &[u8]) -> ParseResult<CapturedCall> {
     let k = r.float("k", &[t, h, kd], "[T, H, K]")?;
     let g = r.float("g", &[t, hv, kd], "[T, HV, K]")?;
     let beta = r.float("beta", &[t, hv], "[T, HV]")?;
+    for (name, x) in [("k", &k), ("v", &v), ("g", &g), ("beta", &beta)] {
+        if x.dtype != q.dtype {
+            return Err(format!(
+                "tensor {name} has dtype {}; expected q's dtype {} (q, k, v, g and beta share one dtype)",
+                x.dtype, q.dtype
+            ));
+        }
+    }
 
     let (a_log, dt_bias) = if gate_in_kernel {
         let a = r.float("A_log", &[hv], "[HV]")?.to_f32();

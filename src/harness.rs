@@ -35,6 +35,12 @@ impl<B: Backend> DeviceTensor<B> {
         Self::from_f32(be, &vec![f32::NAN; len], dtype)
     }
 
+    /// Overwrites the tensor with `bytes` (its whole size).
+    pub fn overwrite(&mut self, be: &B, bytes: &[u8]) -> Result<()> {
+        be.memory().write(&mut self.buf, 0, bytes)?;
+        Ok(())
+    }
+
     /// The read-only view the backend takes.
     pub fn view(&self) -> TensorView<'_, Buf<B>> {
         TensorView {

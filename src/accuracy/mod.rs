@@ -15,6 +15,7 @@ use kda_kernels::{Backend, BatchPlan, BetaMode, CuSeqlens, GateMode, KdaOptions,
 use state_pool::{Dtype, PoolGeometry, Rounding, StateLayout};
 
 use crate::harness::{DeviceInputs, DeviceLayer, DeviceParams, DeviceTensor};
+use crate::host_tensor::encode;
 use crate::inputs::Dims;
 
 /// How a pool rounds its 2-byte stores.
@@ -148,13 +149,13 @@ pub fn batch<B: Backend>(be: &B, lens: &[usize]) -> Result<B::Batch> {
 /// Several pools stepped in lockstep through the same decode tokens: `n` sequences of one
 /// token per step, each pool in its own [`Variant`].
 pub struct DecodeBank<B: Backend> {
-    runs: Vec<(Variant, DeviceLayer<B>)>,
+    runs: Vec<(Variant, DeviceLayer<B>, DeviceTensor<B>)>,
     step_batch: B::Batch,
     flush_batch: B::Batch,
     params: DeviceParams<B>,
     opts: KdaOptions,
-    io_dtype: Dtype,
-    out_len: usize,
+    /// NaNs in the output dtype, written over each output buffer before a step.
+    poison: Vec<u8>,
 }
 
 impl<B: Backend> DecodeBank<B> {
@@ -177,7 +178,8 @@ impl<B: Backend> DecodeBank<B> {
             for (slot, state) in initial.chunks_exact(dims.state_elems()).enumerate() {
                 layer.write_state(be, slot, state)?;
             }
-            runs.push((variant, layer));
+            let out = DeviceTensor::poisoned(be, io_dtype, n * dims.hv * dims.v)?;
+            runs.push((variant, layer, out));
         }
         Ok(Self {
             runs,
@@ -185,8 +187,7 @@ impl<B: Backend> DecodeBank<B> {
             flush_batch: batch(be, &vec![0; n])?,
             params,
             opts: kernel_options(),
-            io_dtype,
-            out_len: n * dims.hv * dims.v,
+            poison: encode(&vec![f32::NAN; n * dims.hv * dims.v], io_dtype),
         })
     }
 
@@ -194,16 +195,9 @@ impl<B: Backend> DecodeBank<B> {
     /// each pool's outputs `[n, HV, V]` as f32.
     pub fn step(&mut self, be: &B, inputs: &DeviceInputs<B>) -> Result<Vec<Vec<f32>>> {
         let mut outs = Vec::with_capacity(self.runs.len());
-        for (_, layer) in &mut self.runs {
-            let mut out = DeviceTensor::poisoned(be, self.io_dtype, self.out_len)?;
-            layer.decode(
-                be,
-                &self.step_batch,
-                inputs,
-                &self.params,
-                &self.opts,
-                &mut out,
-            )?;
+        for (_, layer, out) in &mut self.runs {
+            out.overwrite(be, &self.poison)?;
+            layer.decode(be, &self.step_batch, inputs, &self.params, &self.opts, out)?;
             outs.push(out.to_f32(be)?);
         }
         Ok(outs)
@@ -215,7 +209,7 @@ impl<B: Backend> DecodeBank<B> {
     pub fn states(&mut self, be: &B, keep_going: bool) -> Result<Vec<Vec<f32>>> {
         let mut all = Vec::with_capacity(self.runs.len());
         let n = self.flush_batch.as_ref().num_seqs();
-        for (variant, layer) in &mut self.runs {
+        for (variant, layer, _) in &mut self.runs {
             let snapshot = if keep_going && variant.ring_len > 0 {
                 Some(layer.snapshot(be)?)
             } else {
