@@ -8,6 +8,7 @@ mod cli;
 mod harness;
 mod host_tensor;
 mod inputs;
+mod simulate;
 
 use clap::Parser;
 
