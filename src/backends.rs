@@ -28,9 +28,14 @@ pub trait BackendTask {
 pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T) -> Result<T::Output, CliError> {
     match kind {
         BackendKind::Cpu => task.run(&kda_kernels::cpu::CpuBackend::new()),
-        BackendKind::Cuda => Err(CliError::Usage(
-            "--backend cuda: the CUDA backend is not available in this build; use --backend cpu"
-                .into(),
-        )),
+        BackendKind::Cuda => {
+            let backend = kda_kernels::cuda::CudaBackend::new().map_err(|e| match e {
+                kda_kernels::KernelError::Unavailable { .. } => {
+                    CliError::Usage(format!("--backend cuda: {e}; use --backend cpu"))
+                }
+                other => CliError::Failed(format!("--backend cuda: {other}")),
+            })?;
+            task.run(&backend)
+        }
     }
 }

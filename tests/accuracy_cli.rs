@@ -201,8 +201,27 @@ fn bad_arguments_are_refused_with_one_line() {
     assert_refused(&["accuracy", "--no-sweep", "--plot", "x.png"], "--no-sweep");
 }
 
-#[cfg(not(feature = "cuda"))]
 #[test]
-fn cuda_backend_without_the_feature_is_refused_not_run_on_the_cpu() {
-    assert_refused(&["accuracy", "--backend", "cuda", "--no-sweep"], "cuda");
+fn cuda_backend_runs_on_cuda_or_is_refused_never_run_on_the_cpu() {
+    let out = kda_pool()
+        .args([
+            "accuracy",
+            "--backend",
+            "cuda",
+            "--no-sweep",
+            "--heads",
+            "1",
+        ])
+        .args(["--seq-len", "16", "--json"])
+        .output()
+        .expect("run kda-pool");
+    if out.status.success() {
+        let report: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(report["backend"], "cuda");
+    } else {
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
+        assert!(err.contains("--backend cuda"), "{err}");
+    }
 }

@@ -634,20 +634,27 @@ fn unreadable_input_file_is_refused_naming_the_path() {
     );
 }
 
-#[cfg(not(feature = "cuda"))]
 #[test]
-fn cuda_backend_without_the_feature_is_an_error_not_a_cpu_run() {
+fn cuda_backend_runs_on_cuda_or_is_refused_never_run_on_the_cpu() {
     let (tensors, meta) = valid_call();
     let path = write("cuda.safetensors", &tensors, &meta);
-    let out = run_op("prefill", &path, &["--backend", "cuda"]);
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    let last = stderr(&out);
-    assert!(
-        last.trim_end()
-            .lines()
-            .last()
-            .unwrap_or("")
-            .contains("cuda"),
-        "{last}"
-    );
+    let out_path = tmp("cuda-out.safetensors");
+    let out = kda_pool()
+        .args(["run-op", "--op", "prefill", "--backend", "cuda", "--inputs"])
+        .arg(&path)
+        .arg("--out")
+        .arg(&out_path)
+        .output()
+        .expect("run kda-pool");
+    if out.status.success() {
+        let bytes = std::fs::read(&out_path).unwrap();
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let meta = header.metadata().clone().unwrap_or_default();
+        assert_eq!(meta.get("backend").map(String::as_str), Some("cuda"));
+    } else {
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        let last = err.trim_end().lines().last().unwrap_or("");
+        assert!(last.contains("--backend cuda"), "{err}");
+    }
 }

@@ -63,9 +63,9 @@ fn value_range(values: impl Iterator<Item = f64>) -> std::ops::Range<f64> {
 /// `1K`, `64K`, `1M` for powers of two; the number otherwise.
 fn short_length(x: f64) -> String {
     let n = x.round() as u64;
-    if n >= 1 << 20 && n % (1 << 20) == 0 {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{}M", n >> 20)
-    } else if n >= 1024 && n % 1024 == 0 {
+    } else if n >= 1024 && n.is_multiple_of(1024) {
         format!("{}K", n >> 10)
     } else {
         n.to_string()

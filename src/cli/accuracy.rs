@@ -252,7 +252,7 @@ fn err(x: f64) -> String {
 }
 
 fn short_len(l: usize) -> String {
-    if l % 1024 == 0 {
+    if l.is_multiple_of(1024) {
         format!("{}K", l / 1024)
     } else {
         l.to_string()
