@@ -8,6 +8,9 @@ pub mod engine;
 pub mod summary;
 pub mod workload;
 
+#[cfg(test)]
+mod tests;
+
 use std::io::IsTerminal;
 use std::time::Instant;
 
