@@ -154,22 +154,28 @@ pub fn run(args: Args) -> Result<(), CliError> {
     check_args(&args)?;
     let io_dtype = Dtype::parse_from(&args.io_dtype, "--io-dtype")?;
     let model = load_model(&args)?;
+    let ring_len = args
+        .ring_len
+        .unwrap_or_else(|| sizing::default_ring_len(Some(args.spec_tokens)));
+    let pool_config = PoolConfig {
+        ring_len,
+        ring_dtype: io_dtype,
+        slots: args.max_running,
+        checkpoint_slots: args.checkpoint_slots,
+        ..PoolConfig::default()
+    };
+    // The shape and counts are checked with an fp32 state (the largest) before the dtype
+    // decision, which logs it.
+    PoolGeometry::new(&model.shape, &pool_config)?;
     // The one dtype decision; everything below takes its result.
     let explicit = args.dtype.as_deref().map(|d| DtypeInput::new(d, "--dtype"));
     let (state_dtype, dtype_source) =
         state_pool::resolve_state_dtype_env(explicit, model.state_dtype_input())?;
-    let ring_len = args
-        .ring_len
-        .unwrap_or_else(|| sizing::default_ring_len(Some(args.spec_tokens)));
     let geometry = PoolGeometry::new(
         &model.shape,
         &PoolConfig {
             state_dtype,
-            ring_len,
-            ring_dtype: io_dtype,
-            slots: args.max_running,
-            checkpoint_slots: args.checkpoint_slots,
-            ..PoolConfig::default()
+            ..pool_config
         },
     )?;
     let poison = args.inject_nan.map(|id| {
