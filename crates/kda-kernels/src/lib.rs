@@ -14,6 +14,7 @@ pub mod cuda;
 pub mod cuda;
 pub mod error;
 pub mod rounding;
+pub mod serving_doc;
 #[cfg(feature = "testing")]
 pub mod testing;
 
