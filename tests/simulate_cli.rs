@@ -97,7 +97,18 @@ fn assert_served(args: &[&str], env: &[(&str, &str)]) -> Value {
 
 #[test]
 fn fp32_decode_with_shared_prefixes_restores_checkpoints() {
-    let j = assert_served(&["--dtype", "fp32", "--prefix-share", "0.5"], &[]);
+    // The pool (4 + 4 slots of 71,680 B at fp32) fits the budget.
+    let j = assert_served(
+        &[
+            "--dtype",
+            "fp32",
+            "--prefix-share",
+            "0.5",
+            "--budget",
+            "1MiB",
+        ],
+        &[],
+    );
     assert_eq!(j["state_dtype"], "fp32");
     assert_eq!(num(&j, &["ring_len"]), 0.0);
     assert!(num(&j, &["checkpoints", "hits"]) > 0.0, "{j:#}");
@@ -242,6 +253,12 @@ fn bad_input_is_one_line_and_exit_code_2() {
         "/nonexistent/model.json",
     );
     assert_usage_error(&["--requests", "many"], &[], "many");
+    assert_usage_error(&["--budget", "lots"], &[], "--budget");
+    assert_usage_error(
+        &["--budget", "1MB", "--dtype", "fp32", "--max-running", "16"],
+        &[],
+        "at most 9 request slots fit",
+    );
     let bad = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bad-gva.json");
     std::fs::write(
         &bad,

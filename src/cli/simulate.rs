@@ -51,6 +51,10 @@ pub struct Args {
     /// Request slots of the pool: the most requests running at once (the rest wait).
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub max_running: usize,
+    /// Memory budget of the pool (e.g. 2MiB, SI or IEC suffix): admission checks that the
+    /// request and checkpoint slots fit it, as an engine sizes its pool at start-up.
+    #[arg(long, value_name = "BYTES")]
+    pub budget: Option<String>,
     /// Checkpoint slots for shared prefixes.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub checkpoint_slots: usize,
@@ -167,10 +171,18 @@ pub fn run(args: Args) -> Result<(), CliError> {
     // The shape and counts are checked with an fp32 state (the largest) before the dtype
     // decision, which logs it.
     PoolGeometry::new(&model.shape, &pool_config)?;
+    let budget = args
+        .budget
+        .as_deref()
+        .map(|b| sizing::parse_bytes(b, "--budget"))
+        .transpose()?;
     // The one dtype decision; everything below takes its result.
     let explicit = args.dtype.as_deref().map(|d| DtypeInput::new(d, "--dtype"));
+    // Decided quietly and logged once every check has passed, so bad input stays one line.
     let (state_dtype, dtype_source) =
-        state_pool::resolve_state_dtype_env(explicit, model.state_dtype_input())?;
+        tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), || {
+            state_pool::resolve_state_dtype_env(explicit, model.state_dtype_input())
+        })?;
     let geometry = PoolGeometry::new(
         &model.shape,
         &PoolConfig {
@@ -178,6 +190,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
             ..pool_config
         },
     )?;
+    if let Some(budget) = budget {
+        sizing::admit(&geometry, budget)?;
+    }
+    tracing::info!("SSM state dtype {state_dtype} (from {dtype_source})");
     let poison = args.inject_nan.map(|id| {
         let requests = simulate::workload::draw_requests(&workload_spec(&args));
         (id, requests[id].total_len() / 2)
