@@ -313,9 +313,14 @@ pub fn render_text(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        "fp32 pools: eager decode vs chunked prefill: output {}, state {} (the f32 arithmetic floor)",
+        "fp32 pools: eager decode vs chunked prefill: output {}, state {} (the f32 arithmetic floor{})",
         err(c.decode_vs_prefill_output),
-        err(c.decode_vs_prefill_state)
+        err(c.decode_vs_prefill_state),
+        if t.spec.io_dtype == Dtype::Fp32 {
+            ""
+        } else {
+            ", plus the rounding of the outputs to their dtype"
+        }
     );
     let prefill_nearest = |dtype: Dtype| {
         t.rows.iter().find(|r| {
