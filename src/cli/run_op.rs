@@ -23,19 +23,28 @@ pub enum Op {
     Decode,
 }
 
-/// Arguments of `kda-pool run-op`.
-///
-/// The input file holds `q`, `k` [T, H, K], `v` [T, HV, V], `g` [T, HV, K] (raw when
-/// `use_gate_in_kernel`, else the log-decay), `beta` [T, HV] (raw when `use_beta_sigmoid`),
-/// `A_log` [HV] and `dt_bias` [HV*K] (with `use_gate_in_kernel`), `cu_seqlens` [N+1] (int32 or
-/// int64) and optionally `initial_state` [N, HV, K, V] (V-first when `state_layout` is
-/// `vfirst`); floats in f32, f16 or bf16. Metadata strings: `scale` (default K^-0.5),
-/// `use_qk_l2norm`, `use_gate_in_kernel`, `use_beta_sigmoid`, `allow_neg_eigval` ("true" |
-/// "false", default "false"), `lower_bound` (bounded gate form), `state_layout` ("kfirst" |
-/// "vfirst"). The output file holds `o` [T, HV, V] in v's dtype and `final_state` [N, HV, K, V]
-/// (V-first likewise) in f32, read back from the pool.
+/// The input and output formats, shown by `kda-pool run-op --help`.
+const FORMATS: &str = "\
+Input file (safetensors, token axis flattened, B = 1):
+  q, k           [T, H, K]
+  v              [T, HV, V]
+  g              [T, HV, K]   raw gate with use_gate_in_kernel, else the log-decay
+  beta           [T, HV]      raw with use_beta_sigmoid, else in (0, 1)
+  A_log          [HV]         with use_gate_in_kernel
+  dt_bias        [HV*K]       with use_gate_in_kernel
+  cu_seqlens     [N+1]        int32 or int64; for --op decode every sequence has length 1
+  initial_state  [N, HV, K, V] optional ([N, HV, V, K] when state_layout is vfirst)
+  q, k, v, g and beta share one dtype: f32, f16 or bf16.
+Metadata (strings): scale (default K^-0.5); use_qk_l2norm, use_gate_in_kernel,
+  use_beta_sigmoid, allow_neg_eigval (\"true\" | \"false\", default \"false\"); lower_bound (the
+  bounded gate form); state_layout (\"kfirst\" | \"vfirst\", default \"kfirst\").
+Output file: o [T, HV, V] in v's dtype, final_state [N, HV, K, V] (V-first likewise) in f32,
+  read back from the pool.";
+
+/// Arguments of `kda-pool run-op`: the operation, the files, the pool's state dtype and the
+/// backend (the formats are in [`FORMATS`]).
 #[derive(Debug, clap::Args)]
-#[command(verbatim_doc_comment)]
+#[command(after_long_help = FORMATS)]
 pub struct Args {
     /// The operation.
     #[arg(long, value_enum)]
