@@ -193,13 +193,20 @@ __device__ __forceinline__ void load_tile(const ST* head, int lk, int col0, floa
 
 // Rounds one element for a store: nearest even, or stochastic with the element's offset
 // `elem` in the slot's ssm plane.
-__device__ __forceinline__ ST round_elem(float x, bool sr, kda_u32 base, kda_u32 elem) {
-    return sr ? KdaSr<ST>::round(x, kda_sr_bits(base, elem)) : KdaElem<ST>::from_f32(x);
+// SR is a compile-time choice so the nearest path never evaluates the hash.
+template <bool SR>
+__device__ __forceinline__ ST round_elem(float x, kda_u32 base, kda_u32 elem) {
+    if constexpr (SR) {
+        return KdaSr<ST>::round(x, kda_sr_bits(base, elem));
+    } else {
+        return KdaElem<ST>::from_f32(x);
+    }
 }
 
 // Stores the lane's tile; `elem0` is the head's offset in the slot's ssm plane (hv * K * V).
+template <bool SR>
 __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const float (&s)[TK][TV],
-                                           bool sr, kda_u32 base, kda_u32 elem0) {
+                                           kda_u32 base, kda_u32 elem0) {
     if constexpr (!VFIRST) {
 #pragma unroll
         for (int r = 0; r < TK; ++r) {
@@ -210,7 +217,7 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
                 ST tmp[TV];
 #pragma unroll
                 for (int c = 0; c < TV; ++c)
-                    tmp[c] = round_elem(s[r][c], sr, base, elem0 + (kda_u32)(kr * V + col0 + c));
+                    tmp[c] = round_elem<SR>(s[r][c], base, elem0 + (kda_u32)(kr * V + col0 + c));
                 kda_store_vec<ST, TV>(head + (size_t)kr * V + col0, tmp);
             } else {
 #pragma unroll
@@ -218,7 +225,7 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
                     const int col = col0 + c;
                     if (col < V)
                         head[(size_t)kr * V + col] =
-                            round_elem(s[r][c], sr, base, elem0 + (kda_u32)(kr * V + col));
+                            round_elem<SR>(s[r][c], base, elem0 + (kda_u32)(kr * V + col));
                 }
             }
         }
@@ -234,7 +241,7 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
                 ST tmp[RG];
 #pragma unroll
                 for (int e = 0; e < RG; ++e)
-                    tmp[e] = round_elem(s[j * RG + e][c], sr, base, elem0 + (kda_u32)(col * K + k0 + e));
+                    tmp[e] = round_elem<SR>(s[j * RG + e][c], base, elem0 + (kda_u32)(col * K + k0 + e));
                 if constexpr (RG > 1) {
                     kda_store_vec<ST, RG>(head + (size_t)col * K + k0, tmp);
                 } else {
@@ -527,7 +534,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
                                 for (int c = 0; c < TV; ++c) s[r][c] = fmaf(kv[r], u[c], s[r][c]);
                             }
                         }
-                        if (tt + 1 == pl.store_after) store_tile(head, lk, col0, s, p.sr != 0, sr_base, elem0);
+                        if (tt + 1 == pl.store_after) {
+                            if (p.sr) {
+                                store_tile<true>(head, lk, col0, s, sr_base, elem0);
+                            } else {
+                                store_tile<false>(head, lk, col0, s, sr_base, elem0);
+                            }
+                        }
                     }
                 }
             }

@@ -23,3 +23,12 @@ extern "C" __global__ void kda_fill(const KdaFill f) {
         }
     }
 }
+
+// The copy ceiling: a grid-stride 16-byte vectorised device-to-device copy on the SMs (what a
+// bandwidth-bound kernel can reach), `n16` 16-byte words.
+extern "C" __global__ void kda_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, kda_u64 n16) {
+    for (kda_u64 i = (kda_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n16;
+         i += (kda_u64)gridDim.x * blockDim.x) {
+        dst[i] = src[i];
+    }
+}

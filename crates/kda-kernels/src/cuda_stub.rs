@@ -185,6 +185,10 @@ impl CudaBackend {
     pub fn copy_bandwidth(&self, _bytes: usize) -> Result<f64> {
         match *self {}
     }
+    /// The same copy through a graph memcpy node, bytes per second.
+    pub fn memcpy_bandwidth(&self, _bytes: usize) -> Result<f64> {
+        match *self {}
+    }
     /// Enqueues a device-to-device copy of `bytes` bytes.
     pub fn copy_device(
         &self,

@@ -9,7 +9,6 @@
 //! element (bit-exact wherever both round the same f32 value; the f32 arithmetic itself
 //! differs in the order of the K reductions and in FMA contraction, so not every element is).
 
-use half::{bf16, f16};
 use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
     assert_refused, batch_plan, check_rejects_bad_input, check_ring_decode_matches_eager,
@@ -34,6 +33,7 @@ fn cuda() -> Option<CudaBackend> {
 }
 
 /// A case with the given shape and pool, sequences in scattered slots of a larger pool.
+#[allow(clippy::too_many_arguments)]
 fn case(
     h: usize,
     hv: usize,
@@ -55,27 +55,26 @@ fn case(
     }
 }
 
-/// Whether `a` and `b` are equal or neighbours in `dtype` (one rounding step apart).
-fn within_one_step(a: f32, b: f32, dtype: Dtype) -> bool {
-    let bits = |x: f32| -> i32 {
-        match dtype {
-            Dtype::Fp16 => f16::from_f32(x).to_bits() as i16 as i32,
-            Dtype::Bf16 => bf16::from_f32(x).to_bits() as i16 as i32,
-            Dtype::Fp32 => x.to_bits() as i32,
-        }
+/// One ulp of `dtype` at magnitude `x` (normal range; the subnormal spacing below it).
+fn ulp(x: f32, dtype: Dtype) -> f32 {
+    let (mant, min_exp) = match dtype {
+        Dtype::Fp16 => (10, -14),
+        Dtype::Bf16 => (7, -126),
+        Dtype::Fp32 => (23, -126),
     };
-    let to_ordered = |b: i32| -> i32 {
-        let m = match dtype {
-            Dtype::Fp32 => i32::MAX,
-            _ => 0x7fff,
-        };
-        if b < 0 {
-            -(b & m)
-        } else {
-            b
-        }
+    let e = if x == 0.0 {
+        min_exp
+    } else {
+        (x.abs().log2().floor() as i32).max(min_exp)
     };
-    (to_ordered(bits(a)) - to_ordered(bits(b))).abs() <= 1
+    2f32.powi(e - mant)
+}
+
+/// Whether the GPU's stored value `a` is within one rounding step of the CPU's `b`, allowing
+/// for the f32 arithmetic's own difference (`noise`, absolute): different K-reduction order and
+/// FMA contraction move the value being rounded by a few f32 ulps of the state's scale.
+fn within_one_step(a: f32, b: f32, dtype: Dtype, noise: f32) -> bool {
+    (a - b).abs() <= ulp(a.abs().max(b.abs()), dtype) + noise
 }
 
 /// Runs the same sequence of calls (eager or ring decode steps, a spec_verify with random
@@ -186,12 +185,15 @@ fn compare_with_cpu(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) -> (
         if case.state_dtype == Dtype::Fp32 {
             let d = rel_frobenius_f32(&a, &b);
             assert!(d <= 1e-5, "step {step}: fp32 states differ by {d:.3e}");
-        } else if exact.is_none() && a != init {
+        } else if case.ring_len == 0 && step == 0 {
+            // one store from the same initial state: within one rounding step, element by element
             // the first store: every element within one rounding step of the CPU's
+            let rms = (b.iter().map(|x| x * x).sum::<f32>() / b.len() as f32).sqrt();
+            let noise = 1e-5 * rms;
             let bad = a
                 .iter()
                 .zip(&b)
-                .position(|(&x, &y)| !within_one_step(x, y, case.state_dtype));
+                .position(|(&x, &y)| !within_one_step(x, y, case.state_dtype, noise));
             if let Some(i) = bad {
                 panic!("step {step}: state element {i} is {} on the GPU, {} on the CPU: more than one rounding step", a[i], b[i]);
             }

@@ -274,6 +274,17 @@ impl CudaBackend {
     /// Validates, then launches one `kda_step`. `exact`: read the ring records and accepted
     /// counts back and validate them on the host (the [`Backend`] methods).
     fn run(&self, call: Call<'_, '_>, layer: &mut LayerMut<'_, Buf>, exact: bool) -> Result<()> {
+        let checked = self.validate(&call, layer, exact)?;
+        self.launch(&call, checked.stores, layer, exact)
+    }
+
+    /// The host-side checks of a call (see [`CudaBackend::run`]).
+    fn validate(
+        &self,
+        call: &Call<'_, '_>,
+        layer: &LayerMut<'_, Buf>,
+        exact: bool,
+    ) -> Result<crate::cpu::validate::CallPlan> {
         let g = layer.geometry;
         let plan = &call.batch.plan;
         let n = plan.num_seqs();
@@ -323,7 +334,7 @@ impl CudaBackend {
             plan.check_slots(g.total_slots())?;
             (vec![RingMeta::default(); n], None)
         };
-        let checked = validate_call(
+        validate_call(
             &self.mem,
             g,
             &CallArgs {
@@ -337,14 +348,27 @@ impl CudaBackend {
                 accepted: accepted_host.as_deref(),
                 metas: &metas,
             },
-        )?;
+        )
+    }
+
+    /// Launches one `kda_step` for a validated call; `stores`: whether the host knows that
+    /// the call stores (exact validation), else the epoch is bumped whenever it may store.
+    fn launch(
+        &self,
+        call: &Call<'_, '_>,
+        stores: bool,
+        layer: &mut LayerMut<'_, Buf>,
+        exact: bool,
+    ) -> Result<()> {
+        let g = layer.geometry;
+        let n = call.batch.plan.num_seqs();
         if n == 0 || (g.ring_len == 0 && call.op != Op::Decode) {
             // Nothing can change: no sequences, or spec_verify / replay without a ring (every
             // sequence then has no tokens, no drafts and nothing pending).
             return Ok(());
         }
         let may_store = if exact {
-            checked.stores
+            stores
         } else {
             g.ring_len > 0 || call.op == Op::Decode
         };
@@ -390,13 +414,15 @@ impl CudaBackend {
                 .map_err(|_| device_err("lock", "poisoned"))?;
             let w = match fixed {
                 Some(w) => w as usize,
+                // 2 warps per CTA measured best on the H200 for N >= 64 (docs/performance.md);
+                // 1 when that leaves fewer than two CTAs per SM.
                 None => {
-                    let w4 = warps_per_head.min(4);
-                    let ctas = n * g.hv * warps_per_head.div_ceil(w4);
+                    let w2 = warps_per_head.min(2);
+                    let ctas = n * g.hv * warps_per_head.div_ceil(w2);
                     if ctas < 2 * self.num_sms as usize {
                         1
                     } else {
-                        w4
+                        w2
                     }
                 }
             };
@@ -574,14 +600,18 @@ impl Backend for CudaBackend {
         })
     }
 
+    /// Validates the call like every operation (bad input is an argument error naming it),
+    /// then reports that the CUDA prefill is not supported yet; the pool is left unchanged.
     fn prefill(
         &self,
-        _batch: &CudaBatch,
-        _inputs: &StepInputs<'_, Buf>,
-        _opts: &KdaOptions,
-        _layer: &mut LayerMut<'_, Buf>,
-        _out: &mut TensorViewMut<'_, Buf>,
+        batch: &CudaBatch,
+        inputs: &StepInputs<'_, Buf>,
+        opts: &KdaOptions,
+        layer: &mut LayerMut<'_, Buf>,
+        out: &mut TensorViewMut<'_, Buf>,
     ) -> Result<()> {
+        let call = Call::tokens(Op::Prefill, batch, None, inputs, opts, &*out);
+        self.validate(&call, layer, true)?;
         Err(KernelError::Unsupported {
             backend: "cuda",
             op: "prefill",

@@ -31,6 +31,7 @@ pub(crate) struct StepKey {
 enum Key {
     Step(StepKey),
     Fill,
+    Copy,
 }
 
 type Cache = Mutex<HashMap<(usize, Key), CudaFunction>>;
@@ -148,6 +149,7 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
             compile(ctx, &step_source(&k), &name, "kda_step")?
         }
         Key::Fill => compile(ctx, &source("", FILL), "kda_fill.cu", "kda_fill")?,
+        Key::Copy => compile(ctx, &source("", FILL), "kda_fill.cu", "kda_copy")?,
     };
     map.insert((ctx.ordinal(), key), f.clone());
     Ok(f)
@@ -161,6 +163,11 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 /// The `kda_fill` kernel.
 pub(crate) fn fill_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
     get(ctx, Key::Fill)
+}
+
+/// The `kda_copy` kernel (the copy ceiling).
+pub(crate) fn copy_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
+    get(ctx, Key::Copy)
 }
 
 #[cfg(test)]
