@@ -8,6 +8,10 @@
 //! backend; 2-byte pools within one rounding step of the CPU's stored state, element by
 //! element (bit-exact wherever both round the same f32 value; the f32 arithmetic itself
 //! differs in the order of the K reductions and in FMA contraction, so not every element is).
+//!
+//! Built only with the `cuda` feature (the test command of the README and CI enables it); without
+//! it the stub backend is uninhabited and there is nothing to run.
+#![cfg(feature = "cuda")]
 
 use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
