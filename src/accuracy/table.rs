@@ -3,7 +3,7 @@
 //! nearest and stochastic rounding, against an fp32 pool.
 
 use indicatif::ProgressBar;
-use kda_kernels::{Backend, Result};
+use kda_kernels::{Backend, KernelError, Result};
 use state_pool::Dtype;
 
 use super::{batch, geometry, kernel_options, DecodeBank, RoundingKind, Variant};
@@ -62,10 +62,11 @@ pub struct Fp32Checks {
     pub ring_vs_eager_output: f64,
     /// The same for the final state (expected 0: the ring is bit-exact for fp32).
     pub ring_vs_eager_state: f64,
-    /// fp32 eager decode against fp32 chunked prefill, outputs: the f32 arithmetic floor.
-    pub decode_vs_prefill_output: f64,
+    /// fp32 eager decode against fp32 chunked prefill, outputs: the f32 arithmetic floor
+    /// (absent where the backend has no prefill).
+    pub decode_vs_prefill_output: Option<f64>,
     /// The same for the final state.
-    pub decode_vs_prefill_state: f64,
+    pub decode_vs_prefill_state: Option<f64>,
 }
 
 /// The table's results.
@@ -77,6 +78,53 @@ pub struct TableResult {
     pub rows: Vec<TableRow>,
     /// The fp32 pools' own consistency.
     pub fp32_checks: Fp32Checks,
+    /// Why the prefill rows are missing, when the backend does not support prefill.
+    pub prefill_skipped: Option<String>,
+}
+
+/// Per pool: its variant, its prefill outputs and its final states.
+type PrefillRun = (Variant, Vec<f32>, Vec<f32>);
+
+/// Prefill through each pool of `variants` (one varlen call each); `None` when the backend
+/// does not support prefill.
+#[allow(clippy::too_many_arguments)]
+fn prefill_all<B: Backend>(
+    be: &B,
+    spec: &TableSpec,
+    variants: &[Variant],
+    tokens: &Tokens,
+    initial: &[f32],
+    params: &DeviceParams<B>,
+) -> Result<Option<Vec<PrefillRun>>> {
+    let dims = spec.dims;
+    let prefill_batch = batch(be, &vec![spec.seq_len; spec.seqs])?;
+    let prefill_inputs = DeviceInputs::upload(be, tokens, spec.io_dtype)?;
+    let mut runs = Vec::new();
+    for &variant in variants {
+        let g = geometry(dims, spec.seqs, variant, spec.io_dtype, spec.seed);
+        let mut layer = DeviceLayer::new(be, g)?;
+        for (slot, s) in initial.chunks_exact(dims.state_elems()).enumerate() {
+            layer.write_state(be, slot, s)?;
+        }
+        let mut out = DeviceTensor::poisoned(be, spec.io_dtype, tokens.len * dims.hv * dims.v)?;
+        match layer.prefill(
+            be,
+            &prefill_batch,
+            &prefill_inputs,
+            params,
+            &kernel_options(),
+            &mut out,
+        ) {
+            Err(KernelError::Unsupported { .. }) => return Ok(None),
+            other => other?,
+        }
+        let mut states = Vec::new();
+        for slot in 0..spec.seqs {
+            states.extend(layer.read_state(be, slot)?);
+        }
+        runs.push((variant, out.to_f32(be)?, states));
+    }
+    Ok(Some(runs))
 }
 
 /// Runs the table on `be`, advancing `progress` by one per decode step.
@@ -99,30 +147,14 @@ pub fn run<B: Backend>(be: &B, spec: &TableSpec, progress: &ProgressBar) -> Resu
     let prefill_variants: Vec<Variant> = std::iter::once(Variant::FP32)
         .chain(Variant::two_byte(&[0]))
         .collect();
-    let prefill_batch = batch(be, &vec![spec.seq_len; spec.seqs])?;
-    let prefill_inputs = DeviceInputs::upload(be, &tokens, spec.io_dtype)?;
-    let mut prefill = Vec::new();
-    for &variant in &prefill_variants {
-        let g = geometry(dims, spec.seqs, variant, spec.io_dtype, spec.seed);
-        let mut layer = DeviceLayer::new(be, g)?;
-        for (slot, s) in initial.chunks_exact(dims.state_elems()).enumerate() {
-            layer.write_state(be, slot, s)?;
-        }
-        let mut out = DeviceTensor::poisoned(be, spec.io_dtype, tokens.len * dims.hv * dims.v)?;
-        layer.prefill(
-            be,
-            &prefill_batch,
-            &prefill_inputs,
-            &device_params,
-            &kernel_options(),
-            &mut out,
-        )?;
-        let mut states = Vec::new();
-        for slot in 0..spec.seqs {
-            states.extend(layer.read_state(be, slot)?);
-        }
-        prefill.push((variant, out.to_f32(be)?, states));
-    }
+    let prefill = prefill_all(
+        be,
+        spec,
+        &prefill_variants,
+        &tokens,
+        &initial,
+        &device_params,
+    )?;
 
     // Decode: all pools in lockstep, one token of every sequence per step.
     let largest_ring = spec.rings.iter().copied().max().unwrap_or(0);
@@ -164,14 +196,15 @@ pub fn run<B: Backend>(be: &B, spec: &TableSpec, progress: &ProgressBar) -> Resu
     }
     let decode_states = bank.states(be, false)?;
 
-    let (_, ref_out, ref_state) = &prefill[0];
+    let reference = prefill.as_ref().and_then(|runs| runs.first());
     let mut rows = Vec::new();
     for state_dtype in [Dtype::Fp16, Dtype::Bf16] {
         for rounding in RoundingKind::ALL {
-            if let Some((_, out, state)) = prefill
+            let found = prefill
                 .iter()
-                .find(|(v, _, _)| v.state_dtype == state_dtype && v.rounding == rounding)
-            {
+                .flatten()
+                .find(|(v, _, _)| v.state_dtype == state_dtype && v.rounding == rounding);
+            if let (Some((_, out, state)), Some((_, ref_out, ref_state))) = (found, reference) {
                 rows.push(TableRow {
                     state_dtype,
                     rounding,
@@ -199,12 +232,15 @@ pub fn run<B: Backend>(be: &B, spec: &TableSpec, progress: &ProgressBar) -> Resu
     let fp32_checks = Fp32Checks {
         ring_vs_eager_output: out_err[ring_check].relative(),
         ring_vs_eager_state: rel_frobenius(&decode_states[ring_check], &decode_states[0]),
-        decode_vs_prefill_output: rel_frobenius(&fp32_decode_out, ref_out),
-        decode_vs_prefill_state: rel_frobenius(&decode_states[0], ref_state),
+        decode_vs_prefill_output: reference.map(|(_, o, _)| rel_frobenius(&fp32_decode_out, o)),
+        decode_vs_prefill_state: reference.map(|(_, _, s)| rel_frobenius(&decode_states[0], s)),
     };
     Ok(TableResult {
         spec: spec.clone(),
         rows,
         fp32_checks,
+        prefill_skipped: prefill
+            .is_none()
+            .then(|| format!("the {} backend does not support prefill", be.name())),
     })
 }

@@ -311,17 +311,22 @@ pub fn render_text(r: &Report) -> String {
         err(c.ring_vs_eager_output),
         err(c.ring_vs_eager_state)
     );
-    let _ = writeln!(
-        s,
-        "fp32 pools: eager decode vs chunked prefill: output {}, state {} (the f32 arithmetic floor{})",
-        err(c.decode_vs_prefill_output),
-        err(c.decode_vs_prefill_state),
-        if t.spec.io_dtype == Dtype::Fp32 {
-            ""
-        } else {
-            ", plus the rounding of the outputs to their dtype"
-        }
-    );
+    if let (Some(o), Some(st)) = (c.decode_vs_prefill_output, c.decode_vs_prefill_state) {
+        let _ = writeln!(
+            s,
+            "fp32 pools: eager decode vs chunked prefill: output {}, state {} (the f32 arithmetic floor{})",
+            err(o),
+            err(st),
+            if t.spec.io_dtype == Dtype::Fp32 {
+                ""
+            } else {
+                ", plus the rounding of the outputs to their dtype"
+            }
+        );
+    }
+    if let Some(why) = &t.prefill_skipped {
+        let _ = writeln!(s, "prefill rows omitted: {why}");
+    }
     let prefill_nearest = |dtype: Dtype| {
         t.rows.iter().find(|r| {
             r.state_dtype == dtype
