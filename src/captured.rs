@@ -14,7 +14,6 @@ use kda_kernels::{BetaMode, GateMode, KdaOptions};
 use safetensors::{tensor::TensorView as StView, Dtype as StDtype, SafeTensors};
 use state_pool::{Dtype, StateLayout};
 
-use crate::host_tensor::decode;
 use crate::inputs::Dims;
 
 /// A float tensor as read: its element type and raw little-endian bytes.
@@ -31,7 +30,7 @@ pub struct RawTensor {
 impl RawTensor {
     /// The values up-cast to f32.
     pub fn to_f32(&self) -> Vec<f32> {
-        decode(&self.bytes, self.dtype)
+        self.dtype.decode_f32(&self.bytes)
     }
 }
 

@@ -4,7 +4,6 @@
 use kda_kernels::{api::Buf, Backend, KdaOptions, Result, StepInputs, TensorView, TensorViewMut};
 use state_pool::{DeviceMemory, Dtype, LayerPlanes, PoolGeometry};
 
-use crate::host_tensor::{decode, encode};
 use crate::inputs::{GateParams, Tokens};
 
 /// A tensor in a backend's memory.
@@ -27,7 +26,7 @@ impl<B: Backend> DeviceTensor<B> {
 
     /// Uploads `values` converted to `dtype` (round to nearest even).
     pub fn from_f32(be: &B, values: &[f32], dtype: Dtype) -> Result<Self> {
-        Self::from_bytes(be, &encode(values, dtype), dtype, values.len())
+        Self::from_bytes(be, &dtype.encode_f32(values), dtype, values.len())
     }
 
     /// A tensor of `len` NaNs: an output buffer whose unwritten elements show.
@@ -68,7 +67,7 @@ impl<B: Backend> DeviceTensor<B> {
 
     /// Downloads the values, up-cast to f32.
     pub fn to_f32(&self, be: &B) -> Result<Vec<f32>> {
-        Ok(decode(&self.to_bytes(be)?, self.dtype))
+        Ok(self.dtype.decode_f32(&self.to_bytes(be)?))
     }
 }
 
@@ -155,7 +154,7 @@ impl<B: Backend> DeviceLayer<B> {
     /// Writes `values` (`HV * K * V` f32 in the pool's layout) into `slot`'s state, rounded
     /// to nearest in the pool's dtype.
     pub fn write_state(&mut self, be: &B, slot: usize, values: &[f32]) -> Result<()> {
-        let bytes = encode(values, self.geometry.state_dtype);
+        let bytes = self.geometry.state_dtype.encode_f32(values);
         let offset = slot * self.geometry.ssm_slot_bytes();
         be.memory().write(&mut self.planes.ssm, offset, &bytes)?;
         Ok(())
@@ -166,7 +165,7 @@ impl<B: Backend> DeviceLayer<B> {
         let mut bytes = vec![0u8; self.geometry.ssm_slot_bytes()];
         let offset = slot * self.geometry.ssm_slot_bytes();
         be.memory().read(&self.planes.ssm, offset, &mut bytes)?;
-        Ok(decode(&bytes, self.geometry.state_dtype))
+        Ok(self.geometry.state_dtype.decode_f32(&bytes))
     }
 
     /// Varlen prefill of `batch`.

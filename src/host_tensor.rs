@@ -1,49 +1,4 @@
-//! Host-side conversions between f32 values and the bytes of an element type
-//! (little-endian, round to nearest even on the way down, exact on the way up).
-
-use half::{bf16, f16};
-use state_pool::Dtype;
-
-/// The bytes of `values` in `dtype`, rounded to nearest even for the 2-byte types.
-pub fn encode(values: &[f32], dtype: Dtype) -> Vec<u8> {
-    let mut out = Vec::with_capacity(values.len() * dtype.size());
-    match dtype {
-        Dtype::Fp32 => values
-            .iter()
-            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-        Dtype::Fp16 => values
-            .iter()
-            .for_each(|&x| out.extend_from_slice(&f16::from_f32(x).to_bits().to_le_bytes())),
-        Dtype::Bf16 => values
-            .iter()
-            .for_each(|&x| out.extend_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes())),
-    }
-    out
-}
-
-/// The values held by `bytes` of `dtype`, up-cast exactly to f32 (`bytes.len()` must be a
-/// multiple of the element size; a trailing partial element is ignored).
-pub fn decode(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
-    match dtype {
-        Dtype::Fp32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::Fp16 => bytes
-            .chunks_exact(2)
-            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        Dtype::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-    }
-}
-
-/// `x` rounded to the nearest bf16 and widened back (the value a bf16 tensor would hold).
-pub fn round_to_bf16(x: f32) -> f32 {
-    bf16::from_f32(x).to_f32()
-}
+//! Relative errors of host-side f32 results against a reference.
 
 /// Relative Frobenius error `||got - want|| / ||want||`, accumulated in f64. Empty or zero
 /// references give the absolute norm of the difference.
@@ -89,35 +44,6 @@ impl ErrorAccumulator {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn encode_then_decode_round_trips_representable_values() {
-        let values = [1.5f32, -0.25, 3.0e-3, 1024.0, -7.75];
-        for dtype in Dtype::ALL {
-            let back = decode(&encode(&values, dtype), dtype);
-            assert_eq!(back.len(), values.len());
-            for (b, v) in back.iter().zip(values) {
-                let tol = match dtype {
-                    Dtype::Fp32 => 0.0,
-                    Dtype::Fp16 => v.abs() * 2f32.powi(-11),
-                    Dtype::Bf16 => v.abs() * 2f32.powi(-8),
-                };
-                assert!((b - v).abs() <= tol, "{dtype}: {v} came back as {b}");
-            }
-        }
-    }
-
-    #[test]
-    fn encode_rounds_to_nearest_even() {
-        // 1 + 2^-9 lies halfway between two bf16 neighbours of 1; ties go to the even one (1).
-        let x = 1.0f32 + 2f32.powi(-9);
-        assert_eq!(decode(&encode(&[x], Dtype::Bf16), Dtype::Bf16), vec![1.0]);
-        let y = 1.0f32 + 3.0 * 2f32.powi(-9);
-        assert_eq!(
-            decode(&encode(&[y], Dtype::Bf16), Dtype::Bf16),
-            vec![1.0 + 2f32.powi(-7)]
-        );
-    }
 
     #[test]
     fn relative_error_is_scale_free() {

@@ -6,27 +6,9 @@
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
-use crate::host_tensor::round_to_bf16;
+use state_pool::Dtype;
 
-/// The head shape of one layer: q/k heads, value heads, key and value head dims.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct Dims {
-    /// q/k heads.
-    pub h: usize,
-    /// Value heads (a multiple of `h`).
-    pub hv: usize,
-    /// Key head dim.
-    pub k: usize,
-    /// Value head dim.
-    pub v: usize,
-}
-
-impl Dims {
-    /// Elements of one sequence's state: HV * K * V.
-    pub fn state_elems(&self) -> usize {
-        self.hv * self.k * self.v
-    }
-}
+pub use kda_kernels::cpu::reference::Dims;
 
 /// Independent random streams of one run, so that e.g. a longer sweep does not change the
 /// parameters or the initial state.
@@ -96,7 +78,7 @@ pub struct Tokens {
 
 fn normal_bf16(rng: &mut impl Rng, n: usize) -> Vec<f32> {
     (0..n)
-        .map(|_| round_to_bf16(rng.sample::<f32, _>(StandardNormal)))
+        .map(|_| Dtype::Bf16.round_f32(rng.sample::<f32, _>(StandardNormal)))
         .collect()
 }
 
@@ -192,7 +174,7 @@ mod tests {
         assert_eq!(all.gather(&[4, 5]).g, rest.g);
         assert_eq!(all.q.len(), 6 * 16);
         assert_eq!(all.beta.len(), 6 * 4);
-        assert!(all.k.iter().all(|&x| round_to_bf16(x) == x));
+        assert!(all.k.iter().all(|&x| Dtype::Bf16.round_f32(x) == x));
         assert!(all.k.iter().any(|&x| x != 0.0));
     }
 }

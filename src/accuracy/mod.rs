@@ -15,7 +15,6 @@ use kda_kernels::{Backend, BatchPlan, BetaMode, CuSeqlens, GateMode, KdaOptions,
 use state_pool::{Dtype, PoolGeometry, Rounding, StateLayout};
 
 use crate::harness::{DeviceInputs, DeviceLayer, DeviceParams, DeviceTensor};
-use crate::host_tensor::encode;
 use crate::inputs::Dims;
 
 /// How a pool rounds its 2-byte stores.
@@ -187,7 +186,7 @@ impl<B: Backend> DecodeBank<B> {
             flush_batch: batch(be, &vec![0; n])?,
             params,
             opts: kernel_options(),
-            poison: encode(&vec![f32::NAN; n * dims.hv * dims.v], io_dtype),
+            poison: io_dtype.encode_f32(&vec![f32::NAN; n * dims.hv * dims.v]),
         })
     }
 

@@ -24,7 +24,7 @@ use state_pool::{Dtype, HostMemory, Plane, PoolGeometry, StatePool};
 use super::engine::Record;
 use super::workload::InputSource;
 use crate::harness::{DeviceInputs, DeviceParams, DeviceTensor};
-use crate::host_tensor::{decode, ErrorAccumulator};
+use crate::host_tensor::ErrorAccumulator;
 
 /// The largest relative errors a request may show against the recomputation, for a pool of
 /// `state_dtype`: `(outputs, final state)`. See the module docs.
@@ -148,7 +148,7 @@ impl Checker {
                 .read_slot_plane(layer, Plane::Ssm, slot.index())
                 .map_err(|e| fail("state", e.to_string()))?;
             finite &= got.iter().all(|x| x.is_finite());
-            state.add(got, &decode(&bytes, Dtype::Fp32));
+            state.add(got, &Dtype::Fp32.decode_f32(&bytes));
         }
         let (output_error, state_error) = if finite {
             (outputs.relative(), state.relative())

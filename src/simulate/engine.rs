@@ -27,7 +27,6 @@ use state_pool::{
 
 use super::workload::{accepted_count, append, InputSource, Request};
 use crate::harness::{DeviceInputs, DeviceParams, DeviceTensor};
-use crate::host_tensor::decode;
 use crate::inputs::Tokens;
 
 /// A failure of the loop: which step and operation, and the error.
@@ -704,7 +703,7 @@ where
             let final_state = (0..g.layers)
                 .map(|l| {
                     let bytes = self.pool.read_slot_plane(l, Plane::Ssm, slot)?;
-                    Ok(decode(&bytes, g.state_dtype))
+                    Ok(g.state_dtype.decode_f32(&bytes))
                 })
                 .collect::<Result<Vec<_>, PoolError>>()
                 .map_err(read)?;

@@ -20,8 +20,6 @@
 
 use std::fmt;
 
-use half::{bf16, f16};
-
 use crate::alloc::SlotHandle;
 use crate::dtype::Dtype;
 use crate::error::{PoolError, Result};
@@ -313,20 +311,7 @@ pub fn convert_elements(bytes: &[u8], from: Dtype, to: Dtype) -> Vec<u8> {
     if from == to {
         return bytes.to_vec();
     }
-    let values = bytes.chunks_exact(from.size()).map(|c| match from {
-        Dtype::Fp32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-        Dtype::Fp16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
-        Dtype::Bf16 => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
-    });
-    let mut out = Vec::with_capacity(bytes.len() / from.size() * to.size());
-    for x in values {
-        match to {
-            Dtype::Fp32 => out.extend_from_slice(&x.to_le_bytes()),
-            Dtype::Fp16 => out.extend_from_slice(&f16::from_f32(x).to_le_bytes()),
-            Dtype::Bf16 => out.extend_from_slice(&bf16::from_f32(x).to_le_bytes()),
-        }
-    }
-    out
+    to.encode_f32(&from.decode_f32(bytes))
 }
 
 impl<M: DeviceMemory> StatePool<M> {
@@ -484,6 +469,7 @@ mod tests {
     use crate::geometry::RingMeta;
     use crate::memory::HostMemory;
     use crate::pool::tests::{scribble, small};
+    use half::f16;
     use proptest::prelude::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};

@@ -60,6 +60,53 @@ impl Dtype {
     }
 }
 
+impl Dtype {
+    /// The little-endian bytes of `values` in this type, rounded to nearest even for the
+    /// 2-byte types.
+    pub fn encode_f32(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            Self::Fp32 => bytemuck::cast_slice(values).to_vec(),
+            Self::Fp16 => values
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            Self::Bf16 => values
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        }
+    }
+
+    /// The values held by little-endian `bytes` of this type, up-cast exactly to f32 (a
+    /// trailing partial element is ignored).
+    pub fn decode_f32(self, bytes: &[u8]) -> Vec<f32> {
+        match self {
+            Self::Fp32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Self::Fp16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Self::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        }
+    }
+
+    /// `x` rounded to nearest even in this type and widened back: the value a kernel sees
+    /// after up-casting a stored `x`.
+    pub fn round_f32(self, x: f32) -> f32 {
+        match self {
+            Self::Fp32 => x,
+            Self::Fp16 => half::f16::from_f32(x).to_f32(),
+            Self::Bf16 => half::bf16::from_f32(x).to_f32(),
+        }
+    }
+}
+
 impl std::fmt::Display for Dtype {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -207,6 +254,38 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn encode_then_decode_round_trips_representable_values() {
+        let values = [1.5f32, -0.25, 3.0e-3, 1024.0, -7.75];
+        for dtype in Dtype::ALL {
+            let back = dtype.decode_f32(&dtype.encode_f32(&values));
+            assert_eq!(back.len(), values.len());
+            for (b, v) in back.iter().zip(values) {
+                let tol = match dtype {
+                    Dtype::Fp32 => 0.0,
+                    Dtype::Fp16 => v.abs() * 2f32.powi(-11),
+                    Dtype::Bf16 => v.abs() * 2f32.powi(-8),
+                };
+                assert!((b - v).abs() <= tol, "{dtype}: {v} came back as {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn encode_rounds_to_nearest_even() {
+        // 1 + 2^-9 lies halfway between two bf16 neighbours of 1; ties go to the even one (1).
+        let x = 1.0f32 + 2f32.powi(-9);
+        assert_eq!(
+            Dtype::Bf16.decode_f32(&Dtype::Bf16.encode_f32(&[x])),
+            vec![1.0]
+        );
+        let y = 1.0f32 + 3.0 * 2f32.powi(-9);
+        assert_eq!(
+            Dtype::Bf16.decode_f32(&Dtype::Bf16.encode_f32(&[y])),
+            vec![1.0 + 2f32.powi(-7)]
+        );
+    }
 
     fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let map: HashMap<String, String> = pairs

@@ -6,7 +6,7 @@ use crate::api::{BetaMode, GateMode, KdaOptions};
 use crate::error::{KernelError, Result};
 
 /// The head dims of a problem.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Dims {
     /// q/k heads.
     pub h: usize,

@@ -1,7 +1,6 @@
 //! Test cases and host data: shapes and pool settings ([`Case`]), fresh random inputs
 //! ([`HostInputs`]), element encoding, and error measures.
 
-use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::Rng;
 use rand_distr::StandardNormal;
@@ -142,48 +141,6 @@ pub fn batch_plan(bounds: &[usize], slots: &[u32]) -> Result<BatchPlan> {
     )
 }
 
-/// Encodes f32 values as `dtype` elements (round to nearest even), little-endian bytes.
-pub fn encode(values: &[f32], dtype: Dtype) -> Vec<u8> {
-    match dtype {
-        Dtype::Fp32 => bytemuck::cast_slice(values).to_vec(),
-        Dtype::Fp16 => values
-            .iter()
-            .flat_map(|&x| f16::from_f32(x).to_bits().to_le_bytes())
-            .collect(),
-        Dtype::Bf16 => values
-            .iter()
-            .flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes())
-            .collect(),
-    }
-}
-
-/// Decodes little-endian `dtype` elements into f32 (exact).
-pub fn decode(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
-    match dtype {
-        Dtype::Fp32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::Fp16 => bytes
-            .chunks_exact(2)
-            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        Dtype::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-    }
-}
-
-/// `x` rounded to nearest `dtype` and back: the value a kernel sees after up-casting.
-pub fn round_to(x: f32, dtype: Dtype) -> f32 {
-    match dtype {
-        Dtype::Fp32 => x,
-        Dtype::Fp16 => f16::from_f32(x).to_f32(),
-        Dtype::Bf16 => bf16::from_f32(x).to_f32(),
-    }
-}
-
 /// A standard normal f32.
 pub fn normal(rng: &mut StdRng) -> f32 {
     rng.sample(StandardNormal)
@@ -211,7 +168,7 @@ pub fn fla_dt_bias(rng: &mut StdRng, n: usize) -> Vec<f32> {
 /// Random states, `n` sequences of `[HV][K][V]` values N(0, 0.5^2), rounded to `dtype`.
 pub fn random_states(rng: &mut StdRng, dims: Dims, n: usize, dtype: Dtype) -> Vec<f32> {
     (0..n * dims.state_elems())
-        .map(|_| round_to(0.5 * normal(rng), dtype))
+        .map(|_| dtype.round_f32(0.5 * normal(rng)))
         .collect()
 }
 
@@ -284,7 +241,7 @@ impl HostInputs {
                 *b = (1.0 / (1.0 + (-*b as f64).exp())) as f32;
             }
         }
-        let r = |x: Vec<f32>| x.into_iter().map(|a| round_to(a, dtype)).collect();
+        let r = |x: Vec<f32>| x.into_iter().map(|a| dtype.round_f32(a)).collect();
         Self {
             dims,
             dtype,

@@ -7,13 +7,13 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use state_pool::{DeviceMemory, Dtype, LayerMut, LayerPlanes, PoolGeometry, RingMeta};
 
-use super::data::{batch_plan, decode, encode, HostInputs};
+use super::data::{batch_plan, HostInputs};
 use crate::api::{Backend, Buf, IndexView, KdaOptions, StepInputs, TensorView, TensorViewMut};
 use crate::error::Result;
 
 /// Uploads `values` as `dtype` elements.
 pub fn upload<M: DeviceMemory>(mem: &M, values: &[f32], dtype: Dtype) -> Result<M::Buffer> {
-    upload_bytes(mem, &encode(values, dtype))
+    upload_bytes(mem, &dtype.encode_f32(values))
 }
 
 /// Uploads raw bytes.
@@ -32,7 +32,7 @@ pub fn download<M: DeviceMemory>(
 ) -> Result<Vec<f32>> {
     let mut bytes = vec![0u8; len * dtype.size()];
     mem.read(buf, 0, &mut bytes)?;
-    Ok(decode(&bytes, dtype))
+    Ok(dtype.decode_f32(&bytes))
 }
 
 /// The inputs of one call uploaded to a backend's memory.
@@ -216,7 +216,7 @@ impl<Bf> TestLayer<Bf> {
         let per = g.ssm_slot_elems();
         for (i, &slot) in slots.iter().enumerate() {
             let stored = to_layout(g, &states[i * per..(i + 1) * per]);
-            let bytes = encode(&stored, g.state_dtype);
+            let bytes = g.state_dtype.encode_f32(&stored);
             mem.write(
                 &mut self.planes.ssm,
                 slot as usize * g.ssm_slot_bytes(),
@@ -253,7 +253,7 @@ impl<Bf> TestLayer<Bf> {
             slot as usize * g.ssm_slot_bytes(),
             &mut bytes,
         )?;
-        Ok(decode(&bytes, g.state_dtype))
+        Ok(g.state_dtype.decode_f32(&bytes))
     }
 
     /// Overwrites the stored elements of `slot` (storage order, rounded to nearest).
@@ -264,7 +264,7 @@ impl<Bf> TestLayer<Bf> {
         values: &[f32],
     ) -> Result<()> {
         let g = &self.geometry;
-        let bytes = encode(values, g.state_dtype);
+        let bytes = g.state_dtype.encode_f32(values);
         mem.write(
             &mut self.planes.ssm,
             slot as usize * g.ssm_slot_bytes(),

@@ -23,8 +23,8 @@ pub mod layer;
 pub use bad_input::{assert_refused, bad_input_case, check_rejects_bad_input};
 pub use checks::*;
 pub use data::{
-    batch_plan, bounds_of, decode, encode, fla_dt_bias, random_a_log, random_states, rel_frobenius,
-    rel_frobenius_f32, round_to, to_f64, unit_roundoff, Case, HostInputs,
+    batch_plan, bounds_of, fla_dt_bias, random_a_log, random_states, rel_frobenius,
+    rel_frobenius_f32, to_f64, unit_roundoff, Case, HostInputs,
 };
 pub use layer::{
     download, guarded, poisoned_output, run_replay, run_tokens, upload, upload_bytes, DeviceInputs,
