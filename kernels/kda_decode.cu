@@ -252,6 +252,78 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
     }
 }
 
+// One token step on the lane's tile (spec section 2): decay the rows, k S (reduced over K),
+// u = beta (v - k S), the rank-1 update, and for a new token (`out`) the read-out o = q S
+// (reduced over K; every lane of a column group ends with the same bits). k, d, q: activated
+// per-row values (padded K rows); vp[c]: the value of the lane's column c (valid for c < vlim).
+// Both kernels step through this one function, so eager decode and the ring agree bit for bit.
+__device__ __forceinline__ void token_step(float (&s)[TK][TV], const float* k, const float* d, const float* q,
+                                           const float* vp, int vlim, float bt, int lk, bool out,
+                                           float (&o)[TV]) {
+    // 1) decay the rows, 2) k S
+    float acc[TV];
+#pragma unroll
+    for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
+    {
+        float kv[TK], dv[TK];
+        rows_from_smem(k, lk, kv);
+        rows_from_smem(d, lk, dv);
+#pragma unroll
+        for (int r = 0; r < TK; ++r) {
+#pragma unroll
+            for (int c = 0; c < TV; ++c) {
+                s[r][c] = s[r][c] * dv[r];
+                acc[c] = fmaf(kv[r], s[r][c], acc[c]);
+            }
+        }
+    }
+    reduce_k(acc);
+    // 3) u = beta (v - k S), rank-1 update; 4) read-out for new tokens
+    float u[TV];
+#pragma unroll
+    for (int c = 0; c < TV; ++c) {
+        const float vv = c < vlim ? vp[c] : 0.0f;
+        u[c] = bt * (vv - acc[c]);
+    }
+    float kv[TK];
+    rows_from_smem(k, lk, kv);
+    if (out) {
+        float qv[TK];
+        rows_from_smem(q, lk, qv);
+#pragma unroll
+        for (int c = 0; c < TV; ++c) o[c] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < TK; ++r) {
+#pragma unroll
+            for (int c = 0; c < TV; ++c) {
+                s[r][c] = fmaf(kv[r], u[c], s[r][c]);
+                o[c] = fmaf(qv[r], s[r][c], o[c]);
+            }
+        }
+        reduce_k(o);
+    } else {
+#pragma unroll
+        for (int r = 0; r < TK; ++r) {
+#pragma unroll
+            for (int c = 0; c < TV; ++c) s[r][c] = fmaf(kv[r], u[c], s[r][c]);
+        }
+    }
+}
+
+// Stores the TV outputs of columns col0.. (lane lk == 0 of a column group).
+__device__ __forceinline__ void store_out(IT* op, const float (&o)[TV], int col0) {
+    IT ov[TV];
+#pragma unroll
+    for (int c = 0; c < TV; ++c) ov[c] = KdaElem<IT>::from_f32(o[c]);
+    if constexpr (KF_VEC) {
+        kda_store_vec<IT, TV>(op, ov);
+    } else {
+#pragma unroll
+        for (int c = 0; c < TV; ++c)
+            if (col0 + c < V) op[c] = ov[c];
+    }
+}
+
 struct Smem {
     float k[TC][KS];     // activated key
     float d[TC][KS];     // decay exp(g)
@@ -270,6 +342,58 @@ struct Plan {
 
 __device__ __forceinline__ float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// One warp activates a key (`scaled` false) or a query (`scaled` true: times `scale`) row of K
+// elements at src into dst: l2-normalised when asked. Shared by both kernels, so the eager
+// kernel and the ring kernel produce the same bits.
+__device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool scaled, float scale,
+                                        int lane) {
+    float x[KL];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KL; ++i) {
+        const int kk = lane + 32 * i;
+        x[i] = kk < K ? kda_load(src[kk]) : 0.0f;
+        ss += x[i] * x[i];
+    }
+    if (l2) {
+        const float nrm = sqrtf(warp_sum(ss) + 1e-6f);
+#pragma unroll
+        for (int i = 0; i < KL; ++i) x[i] = x[i] / nrm;
+    }
+#pragma unroll
+    for (int i = 0; i < KL; ++i) {
+        const int kk = lane + 32 * i;
+        if (kk < K) dst[kk] = scaled ? x[i] * scale : x[i];
+    }
+}
+
+// One warp computes the decay exp(g) of a row of K raw gates (bias: f32 [K], unused when the
+// gate is already activated).
+__device__ __forceinline__ void act_decay(const IT* src, const float* bias, float* dst, const KdaParams& p,
+                                          float a_exp, int lane) {
+#pragma unroll
+    for (int i = 0; i < KL; ++i) {
+        const int kk = lane + 32 * i;
+        if (kk < K) {
+            const float raw = kda_load(src[kk]);
+            float lg;
+            if (p.gate_mode == 1u) {
+                lg = -a_exp * softplus(raw + bias[kk]);
+            } else if (p.gate_mode == 2u) {
+                lg = p.lower_bound * sigmoid(a_exp * (raw + bias[kk]));
+            } else {
+                lg = raw;
+            }
+            dst[kk] = expf(lg);
+        }
+    }
+}
+
+// The activated beta of a raw beta.
+__device__ __forceinline__ float act_beta(float b, const KdaParams& p) {
+    return (p.beta_sigmoid ? sigmoid(b) : b) * p.beta_factor;
+}
 
 // Activates the tokens [t0, t0 + tc) of the combined sequence (pending ring entries, then the
 // new tokens) into shared memory: one warp per token.
@@ -296,63 +420,10 @@ __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan
             gp = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K;
             bp = reinterpret_cast<const IT*>(p.beta) + tok * p.hv + hv;
         }
-        // key (l2-normalised when asked)
-        float x[KL];
-        float ss = 0.0f;
-#pragma unroll
-        for (int i = 0; i < KL; ++i) {
-            const int kk = lane + 32 * i;
-            x[i] = kk < K ? kda_load(kp[kk]) : 0.0f;
-            ss += x[i] * x[i];
-        }
-        if (p.l2norm) {
-            const float nrm = sqrtf(warp_sum(ss) + 1e-6f);
-#pragma unroll
-            for (int i = 0; i < KL; ++i) x[i] = x[i] / nrm;
-        }
-#pragma unroll
-        for (int i = 0; i < KL; ++i) {
-            const int kk = lane + 32 * i;
-            if (kk < K) sm.k[t][kk] = x[i];
-        }
-        // query (new tokens only): l2-normalised when asked, then scaled
-        if (fresh) {
-            ss = 0.0f;
-#pragma unroll
-            for (int i = 0; i < KL; ++i) {
-                const int kk = lane + 32 * i;
-                x[i] = kk < K ? kda_load(qp[kk]) : 0.0f;
-                ss += x[i] * x[i];
-            }
-            if (p.l2norm) {
-                const float nrm = sqrtf(warp_sum(ss) + 1e-6f);
-#pragma unroll
-                for (int i = 0; i < KL; ++i) x[i] = x[i] / nrm;
-            }
-#pragma unroll
-            for (int i = 0; i < KL; ++i) {
-                const int kk = lane + 32 * i;
-                if (kk < K) sm.q[t][kk] = x[i] * p.scale;
-            }
-        }
-        // decay exp(g)
         const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
-#pragma unroll
-        for (int i = 0; i < KL; ++i) {
-            const int kk = lane + 32 * i;
-            if (kk < K) {
-                const float raw = kda_load(gp[kk]);
-                float lg;
-                if (p.gate_mode == 1u) {
-                    lg = -a_exp * softplus(raw + bias[kk]);
-                } else if (p.gate_mode == 2u) {
-                    lg = p.lower_bound * sigmoid(a_exp * (raw + bias[kk]));
-                } else {
-                    lg = raw;
-                }
-                sm.d[t][kk] = expf(lg);
-            }
-        }
+        act_row(kp, sm.k[t], p.l2norm != 0u, false, p.scale, lane);
+        if (fresh) act_row(qp, sm.q[t], p.l2norm != 0u, true, p.scale, lane);
+        act_decay(gp, bias, sm.d[t], p, a_exp, lane);
         // padding rows: zero key and query, unit decay (the padded state rows stay 0)
         for (int kk = K + lane; kk < KS; kk += 32) {
             sm.k[t][kk] = 0.0f;
@@ -362,8 +433,7 @@ __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan
         // values of the chunk's columns
         for (int c = cbeg + lane; c < cend; c += 32) sm.v[t][c] = c < V ? kda_load(vp[c]) : 0.0f;
         if (lane == 0) {
-            const float b = kda_load(bp[0]);
-            sm.beta[t] = (p.beta_sigmoid ? sigmoid(b) : b) * p.beta_factor;
+            sm.beta[t] = act_beta(kda_load(bp[0]), p);
         }
     }
 }
@@ -469,70 +539,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
                     __syncthreads();
                     for (int t = 0; t < tc; ++t) {
                         const kda_u32 tt = (kda_u32)(t0 + t);
-                        // 1) decay the rows, 2) k S
-                        float acc[TV];
-#pragma unroll
-                        for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
-                        {
-                            float kv[TK], dv[TK];
-                            rows_from_smem(sm.k[t], lk, kv);
-                            rows_from_smem(sm.d[t], lk, dv);
-#pragma unroll
-                            for (int r = 0; r < TK; ++r) {
-#pragma unroll
-                                for (int c = 0; c < TV; ++c) {
-                                    s[r][c] = s[r][c] * dv[r];
-                                    acc[c] = fmaf(kv[r], s[r][c], acc[c]);
-                                }
-                            }
-                        }
-                        reduce_k(acc);
-                        // 3) u = beta (v - k S), rank-1 update; 4) read-out for new tokens
-                        const float bt = sm.beta[t];
-                        float u[TV];
-#pragma unroll
-                        for (int c = 0; c < TV; ++c) {
-                            const int col = col0 + c;
-                            const float vv = col < V ? sm.v[t][col] : 0.0f;
-                            u[c] = bt * (vv - acc[c]);
-                        }
-                        float kv[TK];
-                        rows_from_smem(sm.k[t], lk, kv);
-                        if (tt >= pl.pend) {
-                            float qv[TK];
-                            rows_from_smem(sm.q[t], lk, qv);
-                            float o[TV];
-#pragma unroll
-                            for (int c = 0; c < TV; ++c) o[c] = 0.0f;
-#pragma unroll
-                            for (int r = 0; r < TK; ++r) {
-#pragma unroll
-                                for (int c = 0; c < TV; ++c) {
-                                    s[r][c] = fmaf(kv[r], u[c], s[r][c]);
-                                    o[c] = fmaf(qv[r], s[r][c], o[c]);
-                                }
-                            }
-                            reduce_k(o);
-                            if (lk == 0 && col0 < V) {
-                                const size_t tok = bos + (tt - pl.pend);
-                                IT* op = reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0;
-                                IT ov[TV];
-#pragma unroll
-                                for (int c = 0; c < TV; ++c) ov[c] = KdaElem<IT>::from_f32(o[c]);
-                                if constexpr (KF_VEC) {
-                                    kda_store_vec<IT, TV>(op, ov);
-                                } else {
-#pragma unroll
-                                    for (int c = 0; c < TV; ++c)
-                                        if (col0 + c < V) op[c] = ov[c];
-                                }
-                            }
-                        } else {
-#pragma unroll
-                            for (int r = 0; r < TK; ++r) {
-#pragma unroll
-                                for (int c = 0; c < TV; ++c) s[r][c] = fmaf(kv[r], u[c], s[r][c]);
-                            }
+                        const bool fresh = tt >= pl.pend;
+                        float o[TV];
+                        token_step(s, sm.k[t], sm.d[t], sm.q[t], sm.v[t] + col0, V - col0, sm.beta[t], lk,
+                                   fresh, o);
+                        if (fresh && lk == 0 && col0 < V) {
+                            const size_t tok = bos + (tt - pl.pend);
+                            store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
                         }
                         if (tt + 1 == pl.store_after) {
                             if (p.sr) {
@@ -585,4 +598,231 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Eager decode, pipelined (ring_len == 0, one token per sequence). Persistent CTAs loop over the
+// work items (sequence, value head, block of V columns), item = blockIdx.x + i * gridDim.x. The
+// state tile and the raw token inputs of the NEXT item are copied into shared memory with
+// cp.async while the current item is computed, so the loads stay in flight between items;
+// the slot and token index are looked up one item further ahead, so no copy waits on them.
+// The per-token activations are split over the warps (key, query, decay) and read from shared
+// memory. The math is the token_step of kda_step with the same lane mapping, so an fp32 pool
+// gives the same bits on either kernel. The host picks this kernel only where every copy is
+// whole 16-byte chunks (see `eager_pipelined` in backend.rs) and the stages fit shared memory.
+// Dynamic shared memory: KDA_STAGES stages of `eager_stage_bytes`.
+
+#define KDA_STAGES 2
+
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+// HIP: plain 16-byte copies (the pipeline then overlaps less, but computes the same).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N> __device__ __forceinline__ void cp_async_wait() {}
+#else
+__device__ __forceinline__ kda_u32 smem_addr(const void* ptr) {
+    kda_u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(ptr));
+    return a;
+}
+// 16 bytes global -> shared, asynchronous (L2 only: the state is read once).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+// Copies `bytes` (a multiple of 16) from src to dst in 16-byte chunks, spread over the CTA.
+__device__ __forceinline__ void copy_chunks(unsigned char* dst, const unsigned char* src, int bytes) {
+    for (int j = threadIdx.x; j < bytes / 16; j += blockDim.x) cp_async16(dst + 16 * j, src + 16 * j);
+}
+
+__host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
+
+// Byte offsets inside one stage: the tile (K-first [K][cw], V-first [cw][K]), then the raw
+// q, k, g rows ([K] each) and v ([cw]) of the input type, then dt_bias ([K] f32).
+struct EagerStage {
+    int tile, q, k, g, v, bias, bytes;
+    __device__ __forceinline__ EagerStage(int cw) {
+        tile = 0;
+        q = round16(K * cw * (int)sizeof(ST));
+        k = q + round16(K * (int)sizeof(IT));
+        g = k + round16(K * (int)sizeof(IT));
+        v = g + round16(K * (int)sizeof(IT));
+        bias = v + round16(cw * (int)sizeof(IT));
+        bytes = bias + round16(K * 4);
+    }
+};
+
+// One work item and what was loaded ahead for it.
+struct EagerItem {
+    int hv, cb;            // value head, first column
+    kda_u32 slot, tok;     // pool slot, token index
+    float beta_raw, a_log; // loaded when the item's copies are issued
+};
+
+__device__ __forceinline__ EagerItem eager_lookup(const KdaParams& p, kda_u32 item) {
+    const kda_u32 per_seq = p.hv * p.vblocks;
+    const kda_u32 n = item / per_seq, rem = item % per_seq;
+    EagerItem it;
+    it.hv = (int)(rem / p.vblocks);
+    it.cb = (int)(rem % p.vblocks) * ((int)(blockDim.x >> 5) * WC);
+    it.slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+    it.tok = reinterpret_cast<const kda_u32*>(p.bounds)[n];
+    it.beta_raw = 0.0f;
+    it.a_log = 0.0f;
+    return it;
+}
+
+// Issues the copies of one item into a stage and loads its beta and a_log into registers.
+__device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage& L, const KdaParams& p,
+                                            EagerItem& it, int cw) {
+    const int cwv = cmin(cw, V - it.cb); // valid columns (a multiple of 16 bytes' worth)
+    const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
+    if constexpr (!VFIRST) {
+        const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
+        for (int j = threadIdx.x; j < K * cpr; j += blockDim.x) {
+            const int row = j / cpr, o = j - row * cpr;
+            if (o < cprv)
+                cp_async16(st + L.tile + (size_t)row * cw * sizeof(ST) + 16 * o,
+                           reinterpret_cast<const unsigned char*>(head + (size_t)row * V + it.cb) + 16 * o);
+        }
+    } else {
+        copy_chunks(st + L.tile, reinterpret_cast<const unsigned char*>(head + (size_t)it.cb * K),
+                    cwv * K * (int)sizeof(ST));
+    }
+    const int h = it.hv / (int)(p.hv / p.h);
+    const IT* q = reinterpret_cast<const IT*>(p.q) + ((size_t)it.tok * p.h + h) * K;
+    const IT* k = reinterpret_cast<const IT*>(p.k) + ((size_t)it.tok * p.h + h) * K;
+    const IT* g = reinterpret_cast<const IT*>(p.g) + ((size_t)it.tok * p.hv + it.hv) * K;
+    const IT* v = reinterpret_cast<const IT*>(p.v) + ((size_t)it.tok * p.hv + it.hv) * V + it.cb;
+    copy_chunks(st + L.q, reinterpret_cast<const unsigned char*>(q), K * (int)sizeof(IT));
+    copy_chunks(st + L.k, reinterpret_cast<const unsigned char*>(k), K * (int)sizeof(IT));
+    copy_chunks(st + L.g, reinterpret_cast<const unsigned char*>(g), K * (int)sizeof(IT));
+    copy_chunks(st + L.v, reinterpret_cast<const unsigned char*>(v), cwv * (int)sizeof(IT));
+    if (p.gate_mode != 0u) {
+        const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)it.hv * K;
+        copy_chunks(st + L.bias, reinterpret_cast<const unsigned char*>(bias), K * 4);
+        it.a_log = reinterpret_cast<const float*>(p.a_log)[it.hv];
+    }
+    it.beta_raw = kda_load(reinterpret_cast<const IT*>(p.beta)[(size_t)it.tok * p.hv + it.hv]);
+}
+
+// The lane's tile from a stage (cw columns starting at the item's first column; col0l: the
+// lane's first column relative to it). Columns at or past V read as 0.
+__device__ __forceinline__ void tile_from_stage(const ST* t, int lk, int col0l, int cwv, int cw,
+                                                float (&s)[TK][TV]) {
+    const bool ok = col0l < cwv;
+    if constexpr (!VFIRST) {
+#pragma unroll
+        for (int r = 0; r < TK; ++r) {
+            const int kr = row_of(lk, r);
+            float tmp[TV];
+            if (ok) {
+                kda_load_vec<ST, TV>(t + (size_t)kr * cw + col0l, tmp);
+            } else {
+#pragma unroll
+                for (int c = 0; c < TV; ++c) tmp[c] = 0.0f;
+            }
+#pragma unroll
+            for (int c = 0; c < TV; ++c) s[r][c] = tmp[c];
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) {
+#pragma unroll
+            for (int j = 0; j < NG; ++j) {
+                const int k0 = (j * LK + lk) * RG;
+                float tmp[RG];
+                if (ok && col0l + c < cwv) {
+                    kda_load_vec<ST, RG>(t + (size_t)(col0l + c) * K + k0, tmp);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < RG; ++e) tmp[e] = 0.0f;
+                }
+#pragma unroll
+                for (int e = 0; e < RG; ++e) s[j * RG + e][c] = tmp[e];
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p) {
+    extern __shared__ __align__(16) unsigned char dsm[];
+    __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
+    __shared__ float abeta;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int lk = lane / LV, lv = lane % LV;
+    const int cw = nwarps * WC;
+    const EagerStage L(cw);
+    const kda_u32 total = p.n_seqs * p.hv * p.vblocks;
+    const kda_u32 grid = gridDim.x;
+    kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
+    if (blockIdx.x == 0 && threadIdx.x == 0 && total > 0) atomicOr(err + 2, 1u);
+    const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+
+    kda_u32 item = blockIdx.x;
+    if (item >= total) return;
+    EagerItem cur = eager_lookup(p, item);
+    eager_issue(dsm, L, p, cur, cw);
+    cp_async_commit();
+    EagerItem nxt = cur;
+    if (item + grid < total) nxt = eager_lookup(p, item + grid);
+
+    for (int i = 0; item < total; item += grid, ++i) {
+        const EagerItem me = cur;
+        unsigned char* st = dsm + (size_t)(i % KDA_STAGES) * L.bytes;
+        if (item + grid < total) {
+            eager_issue(dsm + (size_t)((i + 1) % KDA_STAGES) * L.bytes, L, p, nxt, cw);
+            cur = nxt;
+            if (item + 2 * grid < total) nxt = eager_lookup(p, item + 2 * grid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        // activations of the item's token, one task per warp
+        const int cwv = cmin(cw, V - me.cb);
+        for (int task = warp; task < 3; task += nwarps) {
+            if (task == 0) {
+                act_row(reinterpret_cast<const IT*>(st + L.k), ak, p.l2norm != 0u, false, p.scale, lane);
+            } else if (task == 1) {
+                act_row(reinterpret_cast<const IT*>(st + L.q), aq, p.l2norm != 0u, true, p.scale, lane);
+            } else {
+                const float a_exp = p.gate_mode ? expf(me.a_log) : 0.0f;
+                act_decay(reinterpret_cast<const IT*>(st + L.g), reinterpret_cast<const float*>(st + L.bias), ad,
+                          p, a_exp, lane);
+                const IT* rv = reinterpret_cast<const IT*>(st + L.v);
+                for (int c = lane; c < cwv; c += 32) av[c] = kda_load(rv[c]);
+                if (lane == 0) abeta = act_beta(me.beta_raw, p);
+            }
+        }
+        float s[TK][TV];
+        const int col0l = warp * WC + lv * TV;
+        tile_from_stage(reinterpret_cast<const ST*>(st + L.tile), lk, col0l, cwv, cw, s);
+        __syncthreads();
+
+        const int col0 = me.cb + col0l;
+        float o[TV];
+        token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
+        if (lk == 0 && col0 < V)
+            store_out(reinterpret_cast<IT*>(p.out) + ((size_t)me.tok * p.hv + me.hv) * V + col0, o, col0);
+        ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)me.slot * p.hv + me.hv) * ((size_t)K * V);
+        const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
+        if (p.sr) {
+            store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, me.slot, p.epoch), elem0);
+        } else {
+            store_tile<false>(head, lk, col0, s, 0u, elem0);
+        }
+        // the next iteration's copies overwrite this stage only after every warp has read it
+        // (the barrier above), and its activations only after the barrier after its wait.
+    }
+    cp_async_wait<0>();
 }

@@ -501,6 +501,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let sb = s.state_bytes();
                                 let us = b.time(&mut s, kind, None)?;
                                 b.record("decode", h, n, 1, 0, state, layout, us, 2.0 * sb);
+                                // the one-item-per-CTA kernel, same run (before/after)
+                                be.set_eager_pipelined(Some(false)).map_err(kerr)?;
+                                let us = b.time(&mut s, kind, None)?;
+                                be.set_eager_pipelined(None).map_err(kerr)?;
+                                b.record("decode-blocked", h, n, 1, 0, state, layout, us, 2.0 * sb);
                                 for &w in &warps {
                                     be.set_eager_warps(Some(w)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;

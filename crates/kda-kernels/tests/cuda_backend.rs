@@ -15,10 +15,11 @@
 
 use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
-    assert_refused, batch_plan, check_rejects_bad_input, check_ring_decode_matches_eager,
-    check_ring_rounds_once_per_commit, check_spec_verify_matches_eager, initial_states,
-    layer_with_states, rel_frobenius_f32, run_replay, run_tokens, upload, upload_bytes, Case,
-    DeviceInputs, HostInputs, TestLayer, TokenOp,
+    assert_bits_eq, assert_refused, batch_plan, check_rejects_bad_input,
+    check_ring_decode_matches_eager, check_ring_rounds_once_per_commit,
+    check_spec_verify_matches_eager, initial_states, layer_with_states, rel_frobenius_f32,
+    run_replay, run_tokens, upload, upload_bytes, Case, DeviceInputs, HostInputs, TestLayer,
+    TokenOp,
 };
 use kda_kernels::{Backend, CpuBackend, GateMode, IndexView, KernelError, TensorViewMut};
 use rand::rngs::StdRng;
@@ -243,6 +244,14 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
                 "{state} {layout:?} GVA eager: outputs {d:.2e}, bit-exact state elements {:.1}%",
                 exact * 100.0
             );
+            // the production head size, bf16 inputs, eager (the pipelined kernel)
+            let c = Case {
+                h: 3,
+                hv: 3,
+                ..case(3, 3, 128, 128, state, Dtype::Bf16, layout, 0)
+            };
+            let (d, exact) = compare_with_cpu(&cu, &c, 4, 13);
+            eprintln!("{state} {layout:?} K=V=128 eager: outputs {d:.2e}, bit-exact state elements {:.1}%", exact * 100.0);
             // the production head size, bf16 inputs, with a ring
             let c = Case {
                 h: 3,
@@ -253,6 +262,84 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
             eprintln!("{state} {layout:?} K=V=128 ring 4: outputs {d:.2e}, bit-exact state elements {:.1}%", exact * 100.0);
         }
     }
+}
+
+/// Runs `steps` eager decode steps of `case` with the pipelined kernel on one layer and the
+/// one-item-per-CTA kernel on another, from the same states and inputs; asserts equal bits of
+/// outputs and states after every step.
+fn check_pipelined_eager_matches_blocked(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let init = initial_states(case, &mut rng);
+    let mut piped = layer_with_states(cu, case, &init, &mut StdRng::seed_from_u64(seed ^ 1));
+    let mut blocked = layer_with_states(cu, case, &init, &mut StdRng::seed_from_u64(seed ^ 2));
+    let n = case.slots.len();
+    let dims = case.dims();
+    let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);
+    let bounds: Vec<usize> = (0..=n).collect();
+    for step in 0..steps {
+        let inputs = HostInputs::random(&mut rng, dims, n, &case.opts, case.input_dtype)
+            .with_gate_params(&params.a_log, &params.dt_bias);
+        let run = |layer: &mut TestLayer<_>, on: bool| {
+            cu.set_eager_pipelined(Some(on)).expect("kernel choice");
+            run_tokens(
+                cu,
+                layer,
+                TokenOp::Decode,
+                &bounds,
+                &case.slots,
+                &inputs,
+                &case.opts,
+            )
+            .expect("cuda decode")
+        };
+        let o_piped = run(&mut piped, true);
+        let o_blocked = run(&mut blocked, false);
+        assert_bits_eq(&o_piped, &o_blocked, &format!("step {step} outputs"));
+        let a = piped.read_states(cu.memory(), &case.slots).expect("read");
+        let b = blocked.read_states(cu.memory(), &case.slots).expect("read");
+        assert_bits_eq(&a, &b, &format!("step {step} states"));
+    }
+    cu.set_eager_pipelined(None).expect("kernel choice");
+}
+
+#[test]
+fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() {
+    let Some(cu) = cuda() else { return };
+    // 48 sequences x 8 value heads: more items than CTAs, so each CTA loops and prefetches
+    let n = 48;
+    let slots: Vec<u32> = (0..n as u32).map(|i| 3 * i + 2).collect();
+    for state in Dtype::ALL {
+        for layout in [StateLayout::KFirst, StateLayout::VFirst] {
+            let rounding = if state == Dtype::Fp32 || layout == StateLayout::KFirst {
+                Rounding::Nearest
+            } else {
+                Rounding::Stochastic {
+                    seed: 0x5eed_0000_0000_0007,
+                }
+            };
+            let c = Case {
+                state_dtype: state,
+                input_dtype: Dtype::Bf16,
+                layout,
+                rounding,
+                ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
+            };
+            check_pipelined_eager_matches_blocked(&cu, &c, 3, 61);
+        }
+    }
+    // GVA, K != V, a partial last column block, fp32 inputs, lower-bound gate
+    let mut c = case(
+        2,
+        4,
+        32,
+        48,
+        Dtype::Fp16,
+        Dtype::Fp32,
+        StateLayout::KFirst,
+        0,
+    );
+    c.opts.gate = GateMode::LowerBound(-3.0);
+    check_pipelined_eager_matches_blocked(&cu, &c, 3, 62);
 }
 
 #[test]

@@ -19,7 +19,7 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding};
 
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT};
-use super::registry::{step_kernel, StepKey};
+use super::registry::{eager_kernel, step_kernel, StepKey};
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
     TensorViewMut,
@@ -59,7 +59,11 @@ pub struct CudaBackend {
     err: Mutex<CudaBuffer>,
     /// Warps per CTA of eager decode (`None`: chosen per call).
     eager_warps: Mutex<Option<u32>>,
+    /// Whether eager decode uses the pipelined kernel (`None`: wherever the shape allows).
+    eager_pipelined: Mutex<Option<bool>>,
     num_sms: u32,
+    /// Dynamic shared memory one CTA may opt in to, bytes.
+    smem_optin: usize,
     device_name: String,
 }
 
@@ -88,6 +92,82 @@ pub(crate) fn device_err(what: &str, e: impl std::fmt::Display) -> KernelError {
 fn warp_columns(k: usize) -> usize {
     let lk = k.div_ceil(16).next_power_of_two().min(32);
     (32 / lk) * 4
+}
+
+/// What decides whether and how the pipelined eager kernel runs.
+struct EagerShape {
+    k: usize,
+    v: usize,
+    state_size: usize,
+    input_size: usize,
+    /// Sequences x value heads.
+    items_per_block: usize,
+    num_sms: usize,
+    smem_optin: usize,
+    fixed_warps: Option<usize>,
+}
+
+/// A launch of the pipelined eager kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EagerPlan {
+    warps: usize,
+    vblocks: usize,
+    /// Dynamic shared memory (2 stages), bytes.
+    smem: usize,
+}
+
+/// The pipelined eager kernel's launch, or `None` where its 16-byte copies or its lane
+/// mapping do not fit the shape (then the one-item-per-CTA kernel runs). Mirrors the
+/// constants of `kernels/kda_decode.cu` (LK, TK, RG, WC, `EagerStage`).
+fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
+    let r16 = |x: usize| x.div_ceil(16) * 16;
+    let lk = e.k.div_ceil(16).next_power_of_two().min(32);
+    let wc = warp_columns(e.k);
+    let sv = 16 / e.state_size;
+    let rg = if e.k.is_multiple_of(sv) { sv } else { 1 };
+    let whole_chunks = [
+        wc * e.state_size,
+        e.v * e.state_size,
+        e.k * e.state_size,
+        e.k * e.input_size,
+        wc * e.input_size,
+        e.v * e.input_size,
+        e.k * 4,
+    ]
+    .iter()
+    .all(|b| b.is_multiple_of(16));
+    if !e.k.is_multiple_of(lk)
+        || !(e.k / lk).is_multiple_of(rg)
+        || !e.v.is_multiple_of(4)
+        || !whole_chunks
+    {
+        return None;
+    }
+    let wph = e.v.div_ceil(wc);
+    let warps = match e.fixed_warps {
+        Some(w) => w.min(wph),
+        // the widest CTA that still gives every SM at least one
+        None => [8usize, 4, 2, 1]
+            .into_iter()
+            .filter(|&w| w <= wph)
+            .find(|&w| e.items_per_block * wph.div_ceil(w) >= e.num_sms)
+            .unwrap_or(1),
+    };
+    let cw = warps * wc;
+    let stage = r16(e.k * cw * e.state_size)
+        + 3 * r16(e.k * e.input_size)
+        + r16(cw * e.input_size)
+        + r16(e.k * 4);
+    let smem = 2 * stage;
+    let static_smem = (3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 16;
+    if smem + static_smem > e.smem_optin {
+        return None;
+    }
+    Some(EagerPlan {
+        warps,
+        vblocks: wph.div_ceil(warps),
+        smem,
+    })
 }
 
 impl CudaBackend {
@@ -132,6 +212,11 @@ impl CudaBackend {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .map_err(|e| unavailable(format!("device attribute: {e}")))? as u32;
+        let smem_optin = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| unavailable(format!("device attribute: {e}")))? as usize;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| unavailable(format!("compute capability: {e}")))?;
@@ -141,7 +226,9 @@ impl CudaBackend {
             mem,
             err: Mutex::new(err),
             eager_warps: Mutex::new(None),
+            eager_pipelined: Mutex::new(None),
             num_sms,
+            smem_optin,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
         })
     }
@@ -159,6 +246,19 @@ impl CudaBackend {
     /// The context.
     pub(crate) fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Chooses the eager-decode kernel: `Some(true)` the pipelined one (persistent CTAs that
+    /// copy the next item's state into shared memory while computing the current one) wherever
+    /// the shape allows it, `Some(false)` the one-item-per-CTA kernel, `None` (the default) the
+    /// pipelined one for 2-byte pools (where the shape allows it) and the one-item-per-CTA one
+    /// for fp32 pools (measured faster there).
+    pub fn set_eager_pipelined(&self, on: Option<bool>) -> Result<()> {
+        *self
+            .eager_pipelined
+            .lock()
+            .map_err(|_| device_err("lock", "poisoned"))? = on;
+        Ok(())
     }
 
     /// Fixes the warps per CTA of eager decode (1..=8), or lets the backend choose (`None`).
@@ -404,15 +504,58 @@ impl CudaBackend {
         let ring = g.ring_len > 0;
         let wc = warp_columns(g.k);
         let warps_per_head = g.v.div_ceil(wc);
-        let (units, heads_per_cta, vblocks, warps) = if ring {
+        let fixed_warps = *self
+            .eager_warps
+            .lock()
+            .map_err(|_| device_err("lock", "poisoned"))?;
+        let pipelined = *self
+            .eager_pipelined
+            .lock()
+            .map_err(|_| device_err("lock", "poisoned"))?;
+        // Default: the pipelined kernel for 2-byte pools only; with an fp32 pool it was slower
+        // than the one-item-per-CTA kernel on the H200 (docs/performance.md, 2026-11-29 call 2).
+        let pipelined_on = pipelined.unwrap_or(g.state_dtype.size() == 2);
+        let pipe = if !ring && call.op == Op::Decode && pipelined_on {
+            eager_plan(&EagerShape {
+                k: g.k,
+                v: g.v,
+                state_size: g.state_dtype.size(),
+                input_size: input.size(),
+                items_per_block: n * g.hv,
+                num_sms: self.num_sms as usize,
+                smem_optin: self.smem_optin,
+                fixed_warps: fixed_warps.map(|w| w as usize),
+            })
+        } else {
+            None
+        };
+        let (func, smem, grid_cap) = match pipe {
+            Some(pl) => {
+                let f = eager_kernel(&self.ctx, key)?;
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    pl.smem as i32,
+                )
+                .map_err(|e| device_err("kda_eager shared memory", e))?;
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(
+                        (pl.warps * 32) as u32,
+                        pl.smem,
+                        None,
+                    )
+                    .map_err(|e| device_err("kda_eager occupancy", e))?
+                    .max(1) as usize;
+                (f, pl.smem, Some(per_sm * self.num_sms as usize))
+            }
+            None => (func, 0, None),
+        };
+        let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
+            (g.hv, 1usize, pl.vblocks, pl.warps)
+        } else if ring {
             let w = warps_per_head.min(8);
             (g.h, g.group(), 1usize, w)
         } else {
-            let fixed = *self
-                .eager_warps
-                .lock()
-                .map_err(|_| device_err("lock", "poisoned"))?;
-            let w = match fixed {
+            let w = match fixed_warps {
                 Some(w) => w as usize,
                 // 2 warps per CTA measured best on the H200 for N >= 64 (docs/performance.md);
                 // 1 when that leaves fewer than two CTAs per SM.
@@ -428,7 +571,8 @@ impl CudaBackend {
             };
             (g.hv, 1usize, warps_per_head.div_ceil(w), w)
         };
-        let grid = n * units * vblocks;
+        let items = n * units * vblocks;
+        let grid = grid_cap.map_or(items, |c| items.min(c));
         if grid > i32::MAX as usize {
             return Err(KernelError::arg(
                 "slots",
@@ -487,7 +631,7 @@ impl CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
             block_dim: (warps as u32 * 32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem as u32,
         };
         let mut b = s.launch_builder(&func);
         b.arg(&params);
@@ -495,7 +639,9 @@ impl CudaBackend {
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
-        // launch bounds (<= 256 threads).
+        // launch bounds (<= 256 threads); the pipelined kernel's dynamic shared memory was
+        // checked against the device's opt-in limit and its 16-byte copies against the shape
+        // (`eager_plan`).
         unsafe { b.launch(cfg) }.map_err(|e| device_err("kda_step launch", e))?;
         Ok(())
     }

@@ -30,6 +30,7 @@ pub(crate) struct StepKey {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Key {
     Step(StepKey),
+    Eager(StepKey),
     Fill,
     Copy,
 }
@@ -86,7 +87,13 @@ fn unavailable(reason: String) -> KernelError {
     }
 }
 
-fn compile(ctx: &Arc<CudaContext>, src: &str, name: &str, func: &str) -> Result<CudaFunction> {
+/// Compiles one module and loads the named functions from it.
+fn compile(
+    ctx: &Arc<CudaContext>,
+    src: &str,
+    name: &str,
+    funcs: &[&str],
+) -> Result<Vec<CudaFunction>> {
     let (major, minor) = ctx
         .compute_capability()
         .map_err(|e| unavailable(format!("compute capability: {e}")))?;
@@ -124,9 +131,14 @@ fn compile(ctx: &Arc<CudaContext>, src: &str, name: &str, func: &str) -> Result<
     let module = ctx
         .load_module(ptx)
         .map_err(|e| unavailable(format!("loading module {name}: {e}")))?;
-    module
-        .load_function(func)
-        .map_err(|e| unavailable(format!("function {func} in {name}: {e}")))
+    funcs
+        .iter()
+        .map(|func| {
+            module
+                .load_function(func)
+                .map_err(|e| unavailable(format!("function {func} in {name}: {e}")))
+        })
+        .collect()
 }
 
 fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
@@ -136,8 +148,9 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
     if let Some(f) = map.get(&(ctx.ordinal(), key)) {
         return Ok(f.clone());
     }
+    let one = |r: Result<Vec<CudaFunction>>| r.map(|mut v| v.remove(0));
     let f = match key {
-        Key::Step(k) => {
+        Key::Step(k) | Key::Eager(k) => {
             let name = format!(
                 "kda_decode_{}_{}_{}_k{}_v{}.cu",
                 k.state.name(),
@@ -146,10 +159,28 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
                 k.k,
                 k.v
             );
-            compile(ctx, &step_source(&k), &name, "kda_step")?
+            // one module holds both kernels of a key
+            let fs = compile(ctx, &step_source(&k), &name, &["kda_step", "kda_eager"])?;
+            map.insert((ctx.ordinal(), Key::Step(k)), fs[0].clone());
+            map.insert((ctx.ordinal(), Key::Eager(k)), fs[1].clone());
+            return Ok(if matches!(key, Key::Step(_)) {
+                fs[0].clone()
+            } else {
+                fs[1].clone()
+            });
         }
-        Key::Fill => compile(ctx, &source("", FILL), "kda_fill.cu", "kda_fill")?,
-        Key::Copy => compile(ctx, &source("", FILL), "kda_fill.cu", "kda_copy")?,
+        Key::Fill => one(compile(
+            ctx,
+            &source("", FILL),
+            "kda_fill.cu",
+            &["kda_fill"],
+        ))?,
+        Key::Copy => one(compile(
+            ctx,
+            &source("", FILL),
+            "kda_fill.cu",
+            &["kda_copy"],
+        ))?,
     };
     map.insert((ctx.ordinal(), key), f.clone());
     Ok(f)
@@ -158,6 +189,12 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
 /// The `kda_step` kernel specialised on `key`, compiled on first use.
 pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
     get(ctx, Key::Step(key))
+}
+
+/// The pipelined eager-decode kernel `kda_eager` specialised on `key` (same module as
+/// `kda_step`), compiled on first use.
+pub(crate) fn eager_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+    get(ctx, Key::Eager(key))
 }
 
 /// The `kda_fill` kernel.
