@@ -1,7 +1,9 @@
 // KDA decode, spec_verify and replay over the replay ring (docs/architecture.md, "The replay
-// ring"; spec section 2 for the token step). One kernel, templated through macros on the state
-// element (KDA_ST), the input/ring/output element (KDA_IT), the layout (KDA_VFIRST) and the
-// head dims (KDA_K, KDA_V); f32 arithmetic with f32 accumulation.
+// ring"; spec section 2 for the token step). One kernel for every operation, kda_step,
+// templated through macros on the state element (KDA_ST), the input/ring/output element
+// (KDA_IT), the layout (KDA_VFIRST) and the head dims (KDA_K, KDA_V); f32 arithmetic with f32
+// accumulation. Eager decode can also run kda_eager (the pipelined kernel at the end of this
+// file), which steps tokens through the same functions.
 //
 // Work split. A CTA handles one sequence and one "unit" of heads, and a block of value columns:
 // - eager decode (ring_len == 0): a unit is one value head and the CTAs of a head split V;
