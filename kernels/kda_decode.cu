@@ -61,7 +61,7 @@ struct KdaParams {
     kda_u32 heads_per_cta;           // value heads per CTA (GVA group with a ring, else 1)
     kda_u32 units;                   // CTA units per sequence (H with a ring, else HV)
     kda_u32 vblocks;                 // CTAs per unit along V (1 with a ring)
-    kda_u32 pad;
+    kda_u32 stages;                  // kda_eager: pipeline stages (2 or 3)
 };
 
 #define KDA_OP_DECODE 0u
@@ -370,6 +370,22 @@ __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool
     }
 }
 
+// The decay exp(g) of element kk of a row of raw gates (bias: f32 [K], unused when the gate
+// is already activated).
+__device__ __forceinline__ float decay_of(const IT* src, const float* bias, int kk, const KdaParams& p,
+                                          float a_exp) {
+    const float raw = kda_load(src[kk]);
+    float lg;
+    if (p.gate_mode == 1u) {
+        lg = -a_exp * softplus(raw + bias[kk]);
+    } else if (p.gate_mode == 2u) {
+        lg = p.lower_bound * sigmoid(a_exp * (raw + bias[kk]));
+    } else {
+        lg = raw;
+    }
+    return expf(lg);
+}
+
 // One warp computes the decay exp(g) of a row of K raw gates (bias: f32 [K], unused when the
 // gate is already activated).
 __device__ __forceinline__ void act_decay(const IT* src, const float* bias, float* dst, const KdaParams& p,
@@ -377,18 +393,7 @@ __device__ __forceinline__ void act_decay(const IT* src, const float* bias, floa
 #pragma unroll
     for (int i = 0; i < KL; ++i) {
         const int kk = lane + 32 * i;
-        if (kk < K) {
-            const float raw = kda_load(src[kk]);
-            float lg;
-            if (p.gate_mode == 1u) {
-                lg = -a_exp * softplus(raw + bias[kk]);
-            } else if (p.gate_mode == 2u) {
-                lg = p.lower_bound * sigmoid(a_exp * (raw + bias[kk]));
-            } else {
-                lg = raw;
-            }
-            dst[kk] = expf(lg);
-        }
+        if (kk < K) dst[kk] = decay_of(src, bias, kk, p, a_exp);
     }
 }
 
@@ -606,15 +611,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
 // Eager decode, pipelined (ring_len == 0, one token per sequence). Persistent CTAs loop over the
 // work items (sequence, value head, block of V columns), item = blockIdx.x + i * gridDim.x. The
 // state tile and the raw token inputs of the NEXT item are copied into shared memory with
-// cp.async while the current item is computed, so the loads stay in flight between items;
-// the slot and token index are looked up one item further ahead, so no copy waits on them.
-// The per-token activations are split over the warps (key, query, decay) and read from shared
-// memory. The math is the token_step of kda_step with the same lane mapping, so an fp32 pool
+// cp.async S - 1 items ahead of the one being computed (S = 2 or 3 stages), so the loads stay
+// in flight between items; the slot and token index are looked up one item further ahead, so no
+// copy waits on them.
+// The per-token activations are split over the warps (key, query, decays over the threads
+// of the other warps) and read from shared memory. The math is the token_step of kda_step with the same lane mapping, so an fp32 pool
 // gives the same bits on either kernel. The host picks this kernel only where every copy is
 // whole 16-byte chunks (see `eager_pipelined` in backend.rs) and the stages fit shared memory.
-// Dynamic shared memory: KDA_STAGES stages of `eager_stage_bytes`.
-
-#define KDA_STAGES 2
+// Dynamic shared memory: `stages` stages of `EagerStage::bytes`.
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
 // HIP: plain 16-byte copies (the pipeline then overlaps less, but computes the same).
@@ -648,9 +652,10 @@ __device__ __forceinline__ void copy_chunks(unsigned char* dst, const unsigned c
 __host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
 
 // Byte offsets inside one stage: the tile (K-first [K][cw], V-first [cw][K]), then the raw
-// q, k, g rows ([K] each) and v ([cw]) of the input type, then dt_bias ([K] f32).
+// q, k, g rows ([K] each) and v ([cw]) of the input type, dt_bias ([K] f32), then 16 bytes of
+// scalars: the aligned word holding the raw beta, and a_log (f32).
 struct EagerStage {
-    int tile, q, k, g, v, bias, bytes;
+    int tile, q, k, g, v, bias, scal, bytes;
     __device__ __forceinline__ EagerStage(int cw) {
         tile = 0;
         q = round16(K * cw * (int)sizeof(ST));
@@ -658,15 +663,17 @@ struct EagerStage {
         g = k + round16(K * (int)sizeof(IT));
         v = g + round16(K * (int)sizeof(IT));
         bias = v + round16(cw * (int)sizeof(IT));
-        bytes = bias + round16(K * 4);
+        scal = bias + round16(K * 4);
+        bytes = scal + 16;
     }
 };
 
-// One work item and what was loaded ahead for it.
+// One work item. Its scalars (raw beta, a_log) travel through the stage with cp.async, so no
+// thread waits on them when it issues the copies.
 struct EagerItem {
-    int hv, cb;            // value head, first column
-    kda_u32 slot, tok;     // pool slot, token index
-    float beta_raw, a_log; // loaded when the item's copies are issued
+    int hv, cb;        // value head, first column
+    kda_u32 slot, tok; // pool slot, token index
+    int beta_off;      // byte offset of the raw beta inside its aligned 4-byte word
 };
 
 __device__ __forceinline__ EagerItem eager_lookup(const KdaParams& p, kda_u32 item) {
@@ -677,12 +684,27 @@ __device__ __forceinline__ EagerItem eager_lookup(const KdaParams& p, kda_u32 it
     it.cb = (int)(rem % p.vblocks) * ((int)(blockDim.x >> 5) * WC);
     it.slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
     it.tok = reinterpret_cast<const kda_u32*>(p.bounds)[n];
-    it.beta_raw = 0.0f;
-    it.a_log = 0.0f;
+    it.beta_off = 0;
     return it;
 }
 
-// Issues the copies of one item into a stage and loads its beta and a_log into registers.
+// The raw beta held at byte offset `off` of an aligned 4-byte word, as f32.
+template <typename T> __device__ __forceinline__ float beta_from_word(kda_u32 w, int off) {
+    return kda_from_bits<T>((unsigned short)(w >> (8 * off)));
+}
+template <> __device__ __forceinline__ float beta_from_word<float>(kda_u32 w, int) { return __uint_as_float(w); }
+
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    *reinterpret_cast<kda_u32*>(dst) = *reinterpret_cast<const kda_u32*>(src);
+}
+#else
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+#endif
+
+// Issues the copies of one item into a stage (its state tile, token inputs and scalars).
 __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage& L, const KdaParams& p,
                                             EagerItem& it, int cw) {
     const int cwv = cmin(cw, V - it.cb); // valid columns (a multiple of 16 bytes' worth)
@@ -711,9 +733,21 @@ __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage&
     if (p.gate_mode != 0u) {
         const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)it.hv * K;
         copy_chunks(st + L.bias, reinterpret_cast<const unsigned char*>(bias), K * 4);
-        it.a_log = reinterpret_cast<const float*>(p.a_log)[it.hv];
     }
-    it.beta_raw = kda_load(reinterpret_cast<const IT*>(p.beta)[(size_t)it.tok * p.hv + it.hv]);
+    const kda_u64 bidx = (kda_u64)it.tok * p.hv + it.hv;
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(reinterpret_cast<const IT*>(p.beta) + bidx);
+    it.beta_off = (int)(reinterpret_cast<kda_u64>(b) & 3u);
+    if (threadIdx.x == 0) {
+        // The aligned word holding a 2-byte beta in its low half reaches past the tensor when
+        // that beta is its last element (decode: at least n_seqs tokens); take that one with a
+        // plain load (once per launch).
+        if (sizeof(IT) == 2 && it.beta_off == 0 && bidx + 1 >= (kda_u64)p.n_seqs * p.hv)
+            *reinterpret_cast<unsigned short*>(st + L.scal) = *reinterpret_cast<const unsigned short*>(b);
+        else
+            cp_async4(st + L.scal, b - it.beta_off);
+    }
+    if (p.gate_mode != 0u && threadIdx.x == 32 % blockDim.x)
+        cp_async4(st + L.scal + 4, reinterpret_cast<const float*>(p.a_log) + it.hv);
 }
 
 // The lane's tile from a stage (cw columns starting at the item's first column; col0l: the
@@ -770,40 +804,62 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
     if (blockIdx.x == 0 && threadIdx.x == 0 && total > 0) atomicOr(err + 2, 1u);
     const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
 
+    // Stage j holds item i with i % S == j; the copies of item i + S - 1 are issued while item i
+    // is computed. s_items[j]: the item in stage j (written by thread 0 when it is issued).
+    __shared__ EagerItem s_items[3];
+    const int S = p.stages == 3u ? 3 : 2;
     kda_u32 item = blockIdx.x;
     if (item >= total) return;
-    EagerItem cur = eager_lookup(p, item);
-    eager_issue(dsm, L, p, cur, cw);
-    cp_async_commit();
-    EagerItem nxt = cur;
-    if (item + grid < total) nxt = eager_lookup(p, item + grid);
-
-    for (int i = 0; item < total; item += grid, ++i) {
-        const EagerItem me = cur;
-        unsigned char* st = dsm + (size_t)(i % KDA_STAGES) * L.bytes;
-        if (item + grid < total) {
-            eager_issue(dsm + (size_t)((i + 1) % KDA_STAGES) * L.bytes, L, p, nxt, cw);
-            cur = nxt;
-            if (item + 2 * grid < total) nxt = eager_lookup(p, item + 2 * grid);
+    EagerItem nxt;
+    kda_u32 issued = item; // the next item to issue
+    for (int j = 0; j < S - 1; ++j) {
+        if (issued < total) {
+            EagerItem it = eager_lookup(p, issued);
+            eager_issue(dsm + (size_t)j * L.bytes, L, p, it, cw);
+            if (threadIdx.x == 0) s_items[j] = it;
         }
         cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+        issued += grid;
+    }
+    if (issued < total) nxt = eager_lookup(p, issued);
 
-        // activations of the item's token, one task per warp
+    for (int i = 0; item < total; item += grid, ++i) {
+        const int stage = i % S;
+        unsigned char* st = dsm + (size_t)stage * L.bytes;
+        if (issued < total) {
+            const int js = (i + S - 1) % S;
+            eager_issue(dsm + (size_t)js * L.bytes, L, p, nxt, cw);
+            if (threadIdx.x == 0) s_items[js] = nxt;
+            issued += grid;
+            if (issued < total) nxt = eager_lookup(p, issued);
+        }
+        cp_async_commit();
+        if (S == 3) {
+            cp_async_wait<2>();
+        } else {
+            cp_async_wait<1>();
+        }
+        __syncthreads();
+        const EagerItem me = s_items[stage];
+        const float beta_raw = beta_from_word<IT>(*reinterpret_cast<const kda_u32*>(st + L.scal), me.beta_off);
+        const float a_log = *reinterpret_cast<const float*>(st + L.scal + 4);
+
+        // activations of the item's token: warp 0 the key, warp 1 the query (both l2norms in
+        // parallel), the threads of the other warps the decays, values and beta
         const int cwv = cmin(cw, V - me.cb);
-        for (int task = warp; task < 3; task += nwarps) {
-            if (task == 0) {
-                act_row(reinterpret_cast<const IT*>(st + L.k), ak, p.l2norm != 0u, false, p.scale, lane);
-            } else if (task == 1) {
-                act_row(reinterpret_cast<const IT*>(st + L.q), aq, p.l2norm != 0u, true, p.scale, lane);
-            } else {
-                const float a_exp = p.gate_mode ? expf(me.a_log) : 0.0f;
-                act_decay(reinterpret_cast<const IT*>(st + L.g), reinterpret_cast<const float*>(st + L.bias), ad,
-                          p, a_exp, lane);
+        if (warp == 0) act_row(reinterpret_cast<const IT*>(st + L.k), ak, p.l2norm != 0u, false, p.scale, lane);
+        if (warp == (nwarps > 1 ? 1 : 0))
+            act_row(reinterpret_cast<const IT*>(st + L.q), aq, p.l2norm != 0u, true, p.scale, lane);
+        {
+            const int d0 = nwarps > 2 ? 64 : 0, dn = (int)blockDim.x - d0, tid = (int)threadIdx.x - d0;
+            if (tid >= 0) {
+                const float a_exp = p.gate_mode ? expf(a_log) : 0.0f;
+                const IT* rg = reinterpret_cast<const IT*>(st + L.g);
+                const float* bias = reinterpret_cast<const float*>(st + L.bias);
+                for (int kk = tid; kk < K; kk += dn) ad[kk] = decay_of(rg, bias, kk, p, a_exp);
                 const IT* rv = reinterpret_cast<const IT*>(st + L.v);
-                for (int c = lane; c < cwv; c += 32) av[c] = kda_load(rv[c]);
-                if (lane == 0) abeta = act_beta(me.beta_raw, p);
+                for (int c = tid; c < cwv; c += dn) av[c] = kda_load(rv[c]);
+                if (tid == 0) abeta = act_beta(beta_raw, p);
             }
         }
         float s[TK][TV];

@@ -52,6 +52,10 @@ pub struct Args {
     /// Also time eager decode with these warps per CTA (comma-separated, 1..=8; tuning).
     #[arg(long)]
     pub warps: Option<String>,
+    /// Also time eager decode with these pipeline stages of the pipelined kernel, for each of
+    /// the --warps (comma-separated, 2 or 3; tuning).
+    #[arg(long)]
+    pub stages: Option<String>,
 }
 
 fn usage(msg: impl Into<String>) -> CliError {
@@ -460,6 +464,15 @@ pub fn run(args: Args) -> Result<(), CliError> {
         )?,
         None => vec![],
     };
+    let stages = match &args.stages {
+        Some(st) => list(
+            "stages",
+            st,
+            |x| x.parse::<u32>().ok().filter(|v| (2..=3).contains(v)),
+            "2 or 3",
+        )?,
+        None => vec![],
+    };
     if args.replays == 0 {
         return Err(usage("--replays: 0 is not accepted; expected at least 1"));
     }
@@ -522,6 +535,26 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     );
                                 }
                                 be.set_eager_warps(None).map_err(kerr)?;
+                                for &st in &stages {
+                                    be.set_eager_stages(Some(st)).map_err(kerr)?;
+                                    for &w in &warps {
+                                        be.set_eager_warps(Some(w)).map_err(kerr)?;
+                                        let us = b.time(&mut s, kind, None)?;
+                                        b.record(
+                                            &format!("decode-s{st}w{w}"),
+                                            h,
+                                            n,
+                                            1,
+                                            0,
+                                            state,
+                                            layout,
+                                            us,
+                                            2.0 * sb,
+                                        );
+                                    }
+                                    be.set_eager_warps(None).map_err(kerr)?;
+                                }
+                                be.set_eager_stages(None).map_err(kerr)?;
                                 drop(s);
                                 // with a ring
                                 let l = args.ring;

@@ -125,6 +125,14 @@ impl CudaBackend {
     pub fn set_eager_warps(&self, _warps: Option<u32>) -> Result<()> {
         match *self {}
     }
+    /// Chooses the eager-decode kernel (pipelined or one item per CTA).
+    pub fn set_eager_pipelined(&self, _on: Option<bool>) -> Result<()> {
+        match *self {}
+    }
+    /// Fixes the pipeline stages of the pipelined eager kernel.
+    pub fn set_eager_stages(&self, _stages: Option<u32>) -> Result<()> {
+        match *self {}
+    }
     /// Waits for all enqueued work.
     pub fn synchronize(&self) -> Result<()> {
         match *self {}

@@ -327,6 +327,30 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
             check_pipelined_eager_matches_blocked(&cu, &c, 3, 61);
         }
     }
+    // narrower CTAs (more column blocks per head, more CTAs per SM), 2 and 3 stages
+    for (warps, stages, state) in [
+        (1, 2, Dtype::Fp32),
+        (2, 3, Dtype::Bf16),
+        (4, 2, Dtype::Fp16),
+        (4, 3, Dtype::Fp32),
+        (8, 3, Dtype::Fp32),
+    ] {
+        cu.set_eager_warps(Some(warps)).expect("warps");
+        cu.set_eager_stages(Some(stages)).expect("stages");
+        let c = Case {
+            state_dtype: state,
+            input_dtype: Dtype::Bf16,
+            ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
+        };
+        check_pipelined_eager_matches_blocked(
+            &cu,
+            &c,
+            2,
+            63 + u64::from(warps) + u64::from(stages),
+        );
+    }
+    cu.set_eager_warps(None).expect("warps");
+    cu.set_eager_stages(None).expect("stages");
     // GVA, K != V, a partial last column block, fp32 inputs, lower-bound gate
     let mut c = case(
         2,

@@ -61,6 +61,8 @@ pub struct CudaBackend {
     eager_warps: Mutex<Option<u32>>,
     /// Whether eager decode uses the pipelined kernel (`None`: wherever the shape allows).
     eager_pipelined: Mutex<Option<bool>>,
+    /// Pipeline stages of the pipelined eager kernel (`None`: the default).
+    eager_stages: Mutex<Option<usize>>,
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
     smem_optin: usize,
@@ -94,17 +96,19 @@ fn warp_columns(k: usize) -> usize {
     (32 / lk) * 4
 }
 
+/// Pipeline stages of the pipelined eager kernel unless set.
+const DEFAULT_EAGER_STAGES: usize = 2;
+
 /// What decides whether and how the pipelined eager kernel runs.
 struct EagerShape {
     k: usize,
     v: usize,
     state_size: usize,
     input_size: usize,
-    /// Sequences x value heads.
-    items_per_block: usize,
-    num_sms: usize,
     smem_optin: usize,
     fixed_warps: Option<usize>,
+    /// Pipeline stages asked for (2 or 3; `None`: the default).
+    stages: Option<usize>,
 }
 
 /// A launch of the pipelined eager kernel.
@@ -112,7 +116,9 @@ struct EagerShape {
 struct EagerPlan {
     warps: usize,
     vblocks: usize,
-    /// Dynamic shared memory (2 stages), bytes.
+    /// Pipeline stages (2 or 3).
+    stages: usize,
+    /// Dynamic shared memory (all stages), bytes.
     smem: usize,
 }
 
@@ -147,27 +153,26 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let warps = match e.fixed_warps {
         Some(w) => w.min(wph),
         // the widest CTA that still gives every SM at least one
-        None => [8usize, 4, 2, 1]
-            .into_iter()
-            .filter(|&w| w <= wph)
-            .find(|&w| e.items_per_block * wph.div_ceil(w) >= e.num_sms)
-            .unwrap_or(1),
+        // 4 warps measured best or within 5% of best on the H200 (docs/performance.md, call 3)
+        None => wph.min(4),
     };
     let cw = warps * wc;
     let stage = r16(e.k * cw * e.state_size)
         + 3 * r16(e.k * e.input_size)
         + r16(cw * e.input_size)
-        + r16(e.k * 4);
-    let smem = 2 * stage;
-    let static_smem = (3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 16;
-    if smem + static_smem > e.smem_optin {
-        return None;
-    }
-    Some(EagerPlan {
-        warps,
-        vblocks: wph.div_ceil(warps),
-        smem,
-    })
+        + r16(e.k * 4)
+        + 16;
+    let static_smem = (3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 16 + 3 * 32;
+    let stages = e.stages.unwrap_or(DEFAULT_EAGER_STAGES);
+    [stages, 2]
+        .into_iter()
+        .find(|&st| st * stage + static_smem <= e.smem_optin)
+        .map(|stages| EagerPlan {
+            warps,
+            vblocks: wph.div_ceil(warps),
+            stages,
+            smem: stages * stage,
+        })
 }
 
 impl CudaBackend {
@@ -227,6 +232,7 @@ impl CudaBackend {
             err: Mutex::new(err),
             eager_warps: Mutex::new(None),
             eager_pipelined: Mutex::new(None),
+            eager_stages: Mutex::new(None),
             num_sms,
             smem_optin,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
@@ -251,13 +257,30 @@ impl CudaBackend {
     /// Chooses the eager-decode kernel: `Some(true)` the pipelined one (persistent CTAs that
     /// copy the next item's state into shared memory while computing the current one) wherever
     /// the shape allows it, `Some(false)` the one-item-per-CTA kernel, `None` (the default) the
-    /// pipelined one for 2-byte pools (where the shape allows it) and the one-item-per-CTA one
-    /// for fp32 pools (measured faster there).
+    /// pipelined one wherever the shape allows it.
     pub fn set_eager_pipelined(&self, on: Option<bool>) -> Result<()> {
         *self
             .eager_pipelined
             .lock()
             .map_err(|_| device_err("lock", "poisoned"))? = on;
+        Ok(())
+    }
+
+    /// Fixes the pipeline stages of the pipelined eager kernel (2 or 3; 3 falls back to 2 where
+    /// it does not fit shared memory), or lets the backend choose (`None`).
+    pub fn set_eager_stages(&self, stages: Option<u32>) -> Result<()> {
+        if let Some(st) = stages {
+            if !(2..=3).contains(&st) {
+                return Err(KernelError::arg(
+                    "stages",
+                    format!("is {st}; expected 2 or 3"),
+                ));
+            }
+        }
+        *self
+            .eager_stages
+            .lock()
+            .map_err(|_| device_err("lock", "poisoned"))? = stages.map(|st| st as usize);
         Ok(())
     }
 
@@ -512,19 +535,18 @@ impl CudaBackend {
             .eager_pipelined
             .lock()
             .map_err(|_| device_err("lock", "poisoned"))?;
-        // Default: the pipelined kernel for 2-byte pools only; with an fp32 pool it was slower
-        // than the one-item-per-CTA kernel on the H200 (docs/performance.md, 2026-11-29 call 2).
-        let pipelined_on = pipelined.unwrap_or(g.state_dtype.size() == 2);
-        let pipe = if !ring && call.op == Op::Decode && pipelined_on {
+        let pipe = if !ring && call.op == Op::Decode && pipelined != Some(false) {
             eager_plan(&EagerShape {
                 k: g.k,
                 v: g.v,
                 state_size: g.state_dtype.size(),
                 input_size: input.size(),
-                items_per_block: n * g.hv,
-                num_sms: self.num_sms as usize,
                 smem_optin: self.smem_optin,
                 fixed_warps: fixed_warps.map(|w| w as usize),
+                stages: *self
+                    .eager_stages
+                    .lock()
+                    .map_err(|_| device_err("lock", "poisoned"))?,
             })
         } else {
             None
@@ -626,7 +648,7 @@ impl CudaBackend {
             heads_per_cta: heads_per_cta as u32,
             units: units as u32,
             vblocks: vblocks as u32,
-            pad: 0,
+            stages: pipe.map_or(2, |pl| pl.stages as u32),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),

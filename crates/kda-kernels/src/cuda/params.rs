@@ -55,7 +55,8 @@ pub(crate) struct KdaParams {
     pub heads_per_cta: u32,
     pub units: u32,
     pub vblocks: u32,
-    pub pad: u32,
+    /// Pipeline stages of the eager kernel (2 or 3; ignored by `kda_step`).
+    pub stages: u32,
 }
 
 const _: () = assert!(std::mem::size_of::<KdaParams>() == 15 * 8 + 20 * 4);

@@ -233,14 +233,16 @@ mod tests {
     fn every_kernel_variant_compiles_with_nvrtc() {
         let mut keys = Vec::new();
         for state in Dtype::ALL {
-            for layout in [StateLayout::KFirst, StateLayout::VFirst] {
-                keys.push(StepKey {
-                    state,
-                    input: Dtype::Bf16,
-                    layout,
-                    k: 128,
-                    v: 128,
-                });
+            for input in Dtype::ALL {
+                for layout in [StateLayout::KFirst, StateLayout::VFirst] {
+                    keys.push(StepKey {
+                        state,
+                        input,
+                        layout,
+                        k: 128,
+                        v: 128,
+                    });
+                }
             }
         }
         for (k, v, input) in [
