@@ -12,7 +12,9 @@
 //!   [`CudaBackend::check_device_errors`] reports it (the pool has changed by then). The
 //!   epoch is bumped by every enqueued call that may store.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding};
@@ -259,10 +261,7 @@ impl CudaBackend {
     /// the shape allows it, `Some(false)` the one-item-per-CTA kernel, `None` (the default) the
     /// pipelined one wherever the shape allows it.
     pub fn set_eager_pipelined(&self, on: Option<bool>) -> Result<()> {
-        *self
-            .eager_pipelined
-            .lock()
-            .map_err(|_| device_err("lock", "poisoned"))? = on;
+        *self.eager_pipelined.lock() = on;
         Ok(())
     }
 
@@ -277,10 +276,7 @@ impl CudaBackend {
                 ));
             }
         }
-        *self
-            .eager_stages
-            .lock()
-            .map_err(|_| device_err("lock", "poisoned"))? = stages.map(|st| st as usize);
+        *self.eager_stages.lock() = stages.map(|st| st as usize);
         Ok(())
     }
 
@@ -291,10 +287,7 @@ impl CudaBackend {
                 return Err(KernelError::arg("warps", format!("is {w}; expected 1..=8")));
             }
         }
-        *self
-            .eager_warps
-            .lock()
-            .map_err(|_| device_err("lock", "poisoned"))? = warps;
+        *self.eager_warps.lock() = warps;
         Ok(())
     }
 
@@ -309,10 +302,7 @@ impl CudaBackend {
     /// accepted count above a slot's drafts (clamped), decode on a slot with drafts (dropped),
     /// a corrupt ring record (clamped). Waits for all enqueued work.
     pub fn check_device_errors(&self) -> Result<()> {
-        let mut err = self
-            .err
-            .lock()
-            .map_err(|_| device_err("lock", "poisoned"))?;
+        let mut err = self.err.lock();
         let mut words = [0u8; 16];
         self.mem.read(&err, 0, &mut words)?;
         let w: [u32; 4] = bytemuck::cast(words);
@@ -527,14 +517,8 @@ impl CudaBackend {
         let ring = g.ring_len > 0;
         let wc = warp_columns(g.k);
         let warps_per_head = g.v.div_ceil(wc);
-        let fixed_warps = *self
-            .eager_warps
-            .lock()
-            .map_err(|_| device_err("lock", "poisoned"))?;
-        let pipelined = *self
-            .eager_pipelined
-            .lock()
-            .map_err(|_| device_err("lock", "poisoned"))?;
+        let fixed_warps = *self.eager_warps.lock();
+        let pipelined = *self.eager_pipelined.lock();
         let pipe = if !ring && call.op == Op::Decode && pipelined != Some(false) {
             eager_plan(&EagerShape {
                 k: g.k,
@@ -543,10 +527,7 @@ impl CudaBackend {
                 input_size: input.size(),
                 smem_optin: self.smem_optin,
                 fixed_warps: fixed_warps.map(|w| w as usize),
-                stages: *self
-                    .eager_stages
-                    .lock()
-                    .map_err(|_| device_err("lock", "poisoned"))?,
+                stages: *self.eager_stages.lock(),
             })
         } else {
             None
@@ -604,10 +585,7 @@ impl CudaBackend {
                 ),
             ));
         }
-        let err = self
-            .err
-            .lock()
-            .map_err(|_| device_err("lock", "poisoned"))?;
+        let err = self.err.lock();
         let inputs = call.inputs;
         let (a_log, dt_bias) = match inputs {
             Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),

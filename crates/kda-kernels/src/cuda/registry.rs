@@ -4,7 +4,9 @@
 //! (device, state dtype, input dtype, layout, K, V).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
 
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
@@ -142,9 +144,7 @@ fn compile(
 }
 
 fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
-    let mut map = cache()
-        .lock()
-        .map_err(|_| unavailable("kernel registry lock poisoned".into()))?;
+    let mut map = cache().lock();
     if let Some(f) = map.get(&(ctx.ordinal(), key)) {
         return Ok(f.clone());
     }
