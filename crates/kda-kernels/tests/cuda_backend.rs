@@ -366,6 +366,157 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
     check_pipelined_eager_matches_blocked(&cu, &c, 3, 62);
 }
 
+/// Asserts that two byte planes are equal, naming the first differing byte.
+fn assert_bytes_eq(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("{what}: byte {i} differs: {} vs {}", got[i], want[i]);
+    }
+}
+
+/// Runs the same random decode-then-spec sequence (a final replay included) on two layers with
+/// the same initial bytes, one through the split ring kernel and one through the one
+/// (sequence, q/k head) per CTA kernel; outputs, state, ring data and records must be equal
+/// byte for byte after every call.
+fn check_split_ring_matches_unsplit(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let init = initial_states(case, &mut rng);
+    let mut split = layer_with_states(cu, case, &init, &mut StdRng::seed_from_u64(seed ^ 1));
+    let mut whole = layer_with_states(cu, case, &init, &mut StdRng::seed_from_u64(seed ^ 1));
+    let mem = cu.memory();
+    let compare = |split: &TestLayer<_>, whole: &TestLayer<_>, what: &str| {
+        let a = split.snapshot(mem).expect("snapshot");
+        let b = whole.snapshot(mem).expect("snapshot");
+        assert_bytes_eq(&a.ssm, &b.ssm, &format!("{what}: ssm"));
+        assert_bytes_eq(&a.ring, &b.ring, &format!("{what}: ring"));
+        assert_bytes_eq(&a.meta, &b.meta, &format!("{what}: meta"));
+    };
+    compare(&split, &whole, "initial");
+    let n = case.slots.len();
+    let dims = case.dims();
+    let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);
+    let most = case.ring_len.min(3);
+    let mut drafts = vec![0u32; n];
+    for step in 0..steps {
+        // decode first (through several ring cycles), then spec_verify
+        let spec = step >= steps / 3;
+        let lens: Vec<usize> = (0..n)
+            .map(|_| if spec { rng.random_range(1..=most) } else { 1 })
+            .collect();
+        let acc: Vec<u32> = drafts.iter().map(|&d| rng.random_range(0..=d)).collect();
+        let mut bounds = vec![0usize];
+        for l in &lens {
+            bounds.push(bounds.last().copied().unwrap_or(0) + l);
+        }
+        let tokens = bounds[n];
+        let inputs = HostInputs::random(&mut rng, dims, tokens, &case.opts, case.input_dtype)
+            .with_gate_params(&params.a_log, &params.dt_bias);
+        let op = if spec {
+            TokenOp::SpecVerify(&acc)
+        } else {
+            TokenOp::Decode
+        };
+        let run = |layer: &mut TestLayer<_>, on: bool| {
+            cu.set_ring_split(Some(on)).expect("kernel choice");
+            run_tokens(cu, layer, op, &bounds, &case.slots, &inputs, &case.opts)
+                .expect("cuda ring call")
+        };
+        let o_split = run(&mut split, true);
+        let o_whole = run(&mut whole, false);
+        assert_bits_eq(&o_split, &o_whole, &format!("step {step} outputs"));
+        compare(&split, &whole, &format!("step {step}"));
+        if spec {
+            drafts = lens.iter().map(|&l| l as u32).collect();
+        }
+    }
+    // a replay folding the pending entries and some accepted drafts
+    let acc: Vec<u32> = drafts.iter().map(|&d| rng.random_range(0..=d)).collect();
+    for (layer, on) in [(&mut split, true), (&mut whole, false)] {
+        cu.set_ring_split(Some(on)).expect("kernel choice");
+        run_replay(
+            cu,
+            layer,
+            &case.slots,
+            Some(&acc),
+            &case.opts,
+            &params.a_log,
+            &params.dt_bias,
+        )
+        .expect("cuda replay");
+    }
+    compare(&split, &whole, "replay");
+    cu.set_ring_split(None).expect("kernel choice");
+}
+
+#[test]
+fn cuda_split_ring_kernel_equals_the_one_head_per_cta_kernel_bit_for_bit() {
+    let Some(cu) = cuda() else { return };
+    // 48 sequences, GVA 4 -> 8, K = V = 128, ring 8: the bench's shape, scattered slots
+    let n = 48;
+    let slots: Vec<u32> = (0..n as u32).map(|i| 3 * i + 2).collect();
+    for (state, layout, ring_len, warps, rounding) in [
+        (Dtype::Fp32, StateLayout::KFirst, 8, None, Rounding::Nearest),
+        (
+            Dtype::Bf16,
+            StateLayout::KFirst,
+            8,
+            Some(2),
+            Rounding::Nearest,
+        ),
+        (
+            Dtype::Fp16,
+            StateLayout::VFirst,
+            5,
+            Some(3),
+            Rounding::Stochastic { seed: 0x5eed_1234 },
+        ),
+        (
+            Dtype::Fp32,
+            StateLayout::VFirst,
+            3,
+            Some(1),
+            Rounding::Nearest,
+        ),
+    ] {
+        cu.set_ring_warps(warps).expect("warps");
+        let c = Case {
+            state_dtype: state,
+            input_dtype: Dtype::Bf16,
+            layout,
+            rounding,
+            ring_len,
+            ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
+        };
+        check_split_ring_matches_unsplit(&cu, &c, 30, 71 + ring_len as u64);
+    }
+    cu.set_ring_warps(None).expect("warps");
+    // GVA, K != V, fp32 inputs (odd element offsets in the ring entries), lower-bound gate
+    let mut c = case(
+        2,
+        6,
+        32,
+        48,
+        Dtype::Fp16,
+        Dtype::Fp32,
+        StateLayout::KFirst,
+        4,
+    );
+    c.opts.gate = GateMode::LowerBound(-3.0);
+    check_split_ring_matches_unsplit(&cu, &c, 24, 79);
+    // 2-byte inputs with an odd head count: ring entries at 2-byte alignment only
+    let c = case(
+        1,
+        3,
+        32,
+        32,
+        Dtype::Fp32,
+        Dtype::Fp16,
+        StateLayout::VFirst,
+        3,
+    );
+    check_split_ring_matches_unsplit(&cu, &c, 24, 83);
+}
+
 #[test]
 fn cuda_odd_head_dims_use_the_scalar_path_and_match_the_cpu() {
     let Some(cu) = cuda() else { return };
