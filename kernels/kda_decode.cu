@@ -11,10 +11,6 @@
 //   columns, so a CTA owns every ring datum it reads and writes (k of its q/k head, v, g and
 //   beta of its value heads) and the commit path, which overwrites entries 0..T, cannot race
 //   with another CTA still reading them as pending entries.
-// - with a ring and p.ring_split (opt-in; slower on the H200, docs/performance.md): a unit is
-//   one value head and the CTAs of a head split V, as in eager decode;
-//   the new tokens' ring entries (the commit path overwrites entries other CTAs read) are then
-//   written by a second kernel, kda_ring_append, launched right after (ring_arrive_split).
 // Inside a CTA each warp owns LV x TV value columns over all K rows: lane (lk, lv) holds TK rows
 // x TV columns of the f32 state in registers, so the K reductions of a token stay inside the
 // warp (butterfly shuffles, every lane ends with the same bits). The same lane mapping serves
@@ -66,8 +62,6 @@ struct KdaParams {
     kda_u32 units;                   // CTA units per sequence (H with a ring, else HV)
     kda_u32 vblocks;                 // CTAs per unit along V (1 with a ring)
     kda_u32 stages;                  // kda_eager: pipeline stages (2 or 3)
-    kda_u32 ring_split;              // kda_step with a ring: CTAs split heads and V (see below)
-    kda_u32 spare;
 };
 
 #define KDA_OP_DECODE 0u
@@ -455,65 +449,6 @@ __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan
 
 using namespace kda;
 
-// Copies `nwords` words of W bytes of whole ring entries to dst (contiguous). Word x is byte
-// offset (x % ew) * W of entry x / ew; an entry is four regions, region r of entry j read from
-// src_r + j * len_r (len_r: bytes per token). Loads are batched U per thread before the
-// stores, so each thread keeps U loads in flight. (Scalars, not arrays: no local memory.)
-template <int W>
-__device__ __forceinline__ void copy_entries(unsigned char* dst, const unsigned char* s0, const unsigned char* s1,
-                                             const unsigned char* s2, const unsigned char* s3, kda_u32 l0,
-                                             kda_u32 l1, kda_u32 l2, kda_u32 l3, kda_u32 nwords, kda_u32 ew) {
-    typedef typename KdaRaw<W>::t T;
-    constexpr int U = 8;
-    for (kda_u32 base = threadIdx.x; base < nwords; base += (kda_u32)U * blockDim.x) {
-        T r[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const kda_u32 x = base + (kda_u32)u * blockDim.x;
-            if (x < nwords) {
-                const kda_u32 j = x / ew;
-                kda_u32 off = (x - j * ew) * W;
-                const unsigned char* src;
-                if (off < l0) {
-                    src = s0 + (size_t)j * l0 + off;
-                } else if (off < l0 + l1) {
-                    src = s1 + (size_t)j * l1 + (off - l0);
-                } else if (off < l0 + l1 + l2) {
-                    src = s2 + (size_t)j * l2 + (off - l0 - l1);
-                } else {
-                    src = s3 + (size_t)j * l3 + (off - l0 - l1 - l2);
-                }
-                r[u] = *reinterpret_cast<const T*>(src);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const kda_u32 x = base + (kda_u32)u * blockDim.x;
-            if (x < nwords) *reinterpret_cast<T*>(dst + (size_t)x * W) = r[u];
-        }
-    }
-}
-
-// Ring bookkeeping of the split ring (p.ring_split): a CTA owns one value head and one block of
-// V columns, so several CTAs of a sequence read the same ring entries (the key of a q/k head;
-// the gate, beta and v of a value head), and the commit path's new entries overwrite entries
-// that other CTAs of the slot may still be reading. So kda_step does not append at all here:
-// each CTA only arrives on the slot's counter after its reads, the last one writes the new
-// record, and the backend launches kda_ring_append right after (same stream), which copies the
-// new tokens' raw inputs to entries new_len - T .. new_len of each slot (that is append_at on
-// both paths: pend on the plain append, 0 on the commit path).
-__device__ __forceinline__ void ring_arrive_split(const Plan& pl, kda_u32 per_seq, kda_u32* meta) {
-    __syncthreads(); // this CTA's ring reads are done (each prepass ends at a barrier)
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(meta + 2, 1u) == per_seq - 1) {
-            meta[0] = pl.new_len;
-            meta[1] = pl.new_pending;
-            meta[2] = 0u;
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p) {
     __shared__ __align__(16) Smem sm;
     __shared__ Plan s_plan;
@@ -632,9 +567,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
         }
     }
 
-    if (p.ring_len > 0 && p.ring_split != 0u) {
-        ring_arrive_split(pl, per_seq, meta);
-    } else if (p.ring_len > 0) {
+    if (p.ring_len > 0) {
         // Append the new tokens' raw inputs. This CTA's ring reads are all done (each prepass is
         // followed by a barrier), and no other CTA reads the data written here.
         if (pl.append_at != KDA_NONE && nnew > 0) {
@@ -950,44 +883,4 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         // (the barrier above), and its activations only after the barrier after its wait.
     }
     cp_async_wait<0>();
-}
-
-// ---------------------------------------------------------------------------------------------
-// The split ring's append (see ring_arrive_split): one CTA per sequence copies the raw inputs
-// of its T new tokens (k, v, g, beta of every head) to ring entries new_len - T .. new_len of
-// its slot, after kda_step has written the new records. Whole entries are contiguous in the
-// ring; the copy uses the widest word (2..16 bytes) that divides every address and length.
-extern "C" __global__ void __launch_bounds__(256) kda_ring_append(const KdaParams p) {
-    const kda_u32 n = blockIdx.x;
-    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-    const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
-    const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
-    const kda_u32 len = reinterpret_cast<const kda_u32*>(p.meta)[(size_t)slot * 4];
-    if (nnew == 0 || len < nnew || len > p.ring_len) return;
-    const kda_u32 append_at = len - nnew;
-    const size_t HK = (size_t)p.h * K, HVV = (size_t)p.hv * V, HVK = (size_t)p.hv * K;
-    const size_t entry = HK + HVV + HVK + p.hv;
-    constexpr kda_u32 SZ = sizeof(IT);
-    const unsigned char* s0 = reinterpret_cast<const unsigned char*>(reinterpret_cast<const IT*>(p.k) + bos * HK);
-    const unsigned char* s1 = reinterpret_cast<const unsigned char*>(reinterpret_cast<const IT*>(p.v) + bos * HVV);
-    const unsigned char* s2 = reinterpret_cast<const unsigned char*>(reinterpret_cast<const IT*>(p.g) + bos * HVK);
-    const unsigned char* s3 =
-        reinterpret_cast<const unsigned char*>(reinterpret_cast<const IT*>(p.beta) + (size_t)bos * p.hv);
-    const kda_u32 l0 = (kda_u32)HK * SZ, l1 = (kda_u32)HVV * SZ, l2 = (kda_u32)HVK * SZ, l3 = p.hv * SZ;
-    unsigned char* dst = reinterpret_cast<unsigned char*>(reinterpret_cast<IT*>(p.ring) +
-                                                          ((size_t)slot * p.ring_len + append_at) * entry);
-    const kda_u32 eb = (kda_u32)entry * SZ;
-    const kda_u64 a = reinterpret_cast<kda_u64>(dst) | reinterpret_cast<kda_u64>(s0) |
-                      reinterpret_cast<kda_u64>(s1) | reinterpret_cast<kda_u64>(s2) |
-                      reinterpret_cast<kda_u64>(s3) | l0 | l1 | l2 | l3 | eb | 16u;
-    const kda_u32 w = (kda_u32)(a & (~a + 1)); // lowest set bit: 2, 4, 8 or 16
-    if (w == 16) {
-        copy_entries<16>(dst, s0, s1, s2, s3, l0, l1, l2, l3, nnew * eb / 16, eb / 16);
-    } else if (w == 8) {
-        copy_entries<8>(dst, s0, s1, s2, s3, l0, l1, l2, l3, nnew * eb / 8, eb / 8);
-    } else if (w == 4) {
-        copy_entries<4>(dst, s0, s1, s2, s3, l0, l1, l2, l3, nnew * eb / 4, eb / 4);
-    } else {
-        copy_entries<2>(dst, s0, s1, s2, s3, l0, l1, l2, l3, nnew * eb / 2, eb / 2);
-    }
 }

@@ -49,8 +49,7 @@ pub struct Args {
     /// Timed graph replays per case (32: four cycles of a ring of 8).
     #[arg(long, default_value_t = 32)]
     pub replays: usize,
-    /// Also time eager decode, and ring decode with the split ring kernel, with these warps
-    /// per CTA (comma-separated, 1..=8; tuning).
+    /// Also time eager decode with these warps per CTA (comma-separated, 1..=8; tuning).
     #[arg(long)]
     pub warps: Option<String>,
     /// Also time eager decode with these pipeline stages of the pipelined kernel, for each of
@@ -567,27 +566,6 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let us = b.time(&mut s, kind, None)?;
                                 let bytes = sb + sb / l as f64 + eb * ((l + 1) as f64 / 2.0 + 1.0);
                                 b.record("decode", h, n, 1, l, state, layout, us, bytes);
-                                // the split ring kernel (opt-in), same run
-                                be.set_ring_split(Some(true)).map_err(kerr)?;
-                                let us = b.time(&mut s, kind, None)?;
-                                b.record("decode-split", h, n, 1, l, state, layout, us, bytes);
-                                for &w in &warps {
-                                    be.set_ring_warps(Some(w)).map_err(kerr)?;
-                                    let us = b.time(&mut s, kind, None)?;
-                                    b.record(
-                                        &format!("decode-split-w{w}"),
-                                        h,
-                                        n,
-                                        1,
-                                        l,
-                                        state,
-                                        layout,
-                                        us,
-                                        bytes,
-                                    );
-                                }
-                                be.set_ring_warps(None).map_err(kerr)?;
-                                be.set_ring_split(None).map_err(kerr)?;
                             }
                         }
                         Kind::Spec => {
@@ -610,11 +588,6 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let (sb, eb) = (s.state_bytes(), s.entry_bytes());
                                 let bytes = sb * (1.0 + store_frac) + eb * (folded + t as f64);
                                 b.record("spec", h, n, t, l, state, layout, us, bytes);
-                                // the split ring kernel (opt-in), same run
-                                be.set_ring_split(Some(true)).map_err(kerr)?;
-                                let us = b.time(&mut s, kind, Some(&acc_buf))?;
-                                be.set_ring_split(None).map_err(kerr)?;
-                                b.record("spec-split", h, n, t, l, state, layout, us, bytes);
                             }
                         }
                         Kind::Replay => {

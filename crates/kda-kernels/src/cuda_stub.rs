@@ -133,14 +133,6 @@ impl CudaBackend {
     pub fn set_eager_stages(&self, _stages: Option<u32>) -> Result<()> {
         match *self {}
     }
-    /// Chooses the ring kernel's work split.
-    pub fn set_ring_split(&self, _on: Option<bool>) -> Result<()> {
-        match *self {}
-    }
-    /// Fixes the warps per CTA of the split ring kernel.
-    pub fn set_ring_warps(&self, _warps: Option<u32>) -> Result<()> {
-        match *self {}
-    }
     /// Waits for all enqueued work.
     pub fn synchronize(&self) -> Result<()> {
         match *self {}

@@ -21,7 +21,7 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding};
 
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT};
-use super::registry::{eager_kernel, ring_append_kernel, step_kernel, StepKey};
+use super::registry::{eager_kernel, step_kernel, StepKey};
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
     TensorViewMut,
@@ -65,10 +65,6 @@ pub struct CudaBackend {
     eager_pipelined: Mutex<Option<bool>>,
     /// Pipeline stages of the pipelined eager kernel (`None`: the default).
     eager_stages: Mutex<Option<usize>>,
-    /// Whether the ring kernel splits heads and V over CTAs (`None`: the default, not split).
-    ring_split: Mutex<Option<bool>>,
-    /// Warps per CTA of the split ring kernel (`None`: the default).
-    ring_warps: Mutex<Option<u32>>,
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
     smem_optin: usize,
@@ -104,9 +100,6 @@ fn warp_columns(k: usize) -> usize {
 
 /// Pipeline stages of the pipelined eager kernel unless set.
 const DEFAULT_EAGER_STAGES: usize = 2;
-
-/// Warps per CTA of the split ring kernel unless set.
-const DEFAULT_RING_WARPS: usize = 4;
 
 /// What decides whether and how the pipelined eager kernel runs.
 struct EagerShape {
@@ -242,8 +235,6 @@ impl CudaBackend {
             eager_warps: Mutex::new(None),
             eager_pipelined: Mutex::new(None),
             eager_stages: Mutex::new(None),
-            ring_split: Mutex::new(None),
-            ring_warps: Mutex::new(None),
             num_sms,
             smem_optin,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
@@ -297,27 +288,6 @@ impl CudaBackend {
             }
         }
         *self.eager_warps.lock() = warps;
-        Ok(())
-    }
-
-    /// Chooses the ring kernel's work split: `Some(true)` one value head and one block of V
-    /// columns per CTA (a second kernel, `kda_ring_append`, then writes the new tokens' ring
-    /// entries), `Some(false)` or `None` (the default, measured faster on the H200) one
-    /// (sequence, q/k head) with all its value heads per CTA.
-    pub fn set_ring_split(&self, on: Option<bool>) -> Result<()> {
-        *self.ring_split.lock() = on;
-        Ok(())
-    }
-
-    /// Fixes the warps per CTA of the split ring kernel (1..=8), or lets the backend choose
-    /// (`None`).
-    pub fn set_ring_warps(&self, warps: Option<u32>) -> Result<()> {
-        if let Some(w) = warps {
-            if !(1..=8).contains(&w) {
-                return Err(KernelError::arg("warps", format!("is {w}; expected 1..=8")));
-            }
-        }
-        *self.ring_warps.lock() = warps;
         Ok(())
     }
 
@@ -582,16 +552,8 @@ impl CudaBackend {
             }
             None => (func, 0, None),
         };
-        // opt-in: measured slower than the whole-head kernel on the H200 (docs/performance.md,
-        // "Split ring kernel")
-        let ring_split = ring && *self.ring_split.lock() == Some(true);
         let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
             (g.hv, 1usize, pl.vblocks, pl.warps)
-        } else if ring && ring_split {
-            let w = (*self.ring_warps.lock())
-                .map_or(DEFAULT_RING_WARPS, |w| w as usize)
-                .min(warps_per_head);
-            (g.hv, 1usize, warps_per_head.div_ceil(w), w)
         } else if ring {
             let w = warps_per_head.min(8);
             (g.h, g.group(), 1usize, w)
@@ -665,8 +627,6 @@ impl CudaBackend {
             units: units as u32,
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
-            ring_split: u32::from(ring_split),
-            spare: 0,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
@@ -683,22 +643,6 @@ impl CudaBackend {
         // checked against the device's opt-in limit and its 16-byte copies against the shape
         // (`eager_plan`).
         unsafe { b.launch(cfg) }.map_err(|e| device_err("kda_step launch", e))?;
-        if ring_split && inputs.is_some() {
-            // the split ring appends the new tokens' entries in a second kernel (the slot's
-            // records are final once kda_step is done; same stream)
-            let f = ring_append_kernel(&self.ctx, key)?;
-            let cfg = LaunchConfig {
-                grid_dim: (n as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = s.launch_builder(&f);
-            b.arg(&params);
-            // SAFETY: as for kda_step above (the same params); one CTA of 256 threads per
-            // sequence, within the kernel's launch bounds; it reads the inputs and records and
-            // writes ring entries of the batch's slots only (checked with the call above).
-            unsafe { b.launch(cfg) }.map_err(|e| device_err("kda_ring_append launch", e))?;
-        }
         Ok(())
     }
 }

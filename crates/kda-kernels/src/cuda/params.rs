@@ -57,14 +57,9 @@ pub(crate) struct KdaParams {
     pub vblocks: u32,
     /// Pipeline stages of the eager kernel (2 or 3; ignored by `kda_step`).
     pub stages: u32,
-    /// `kda_step` with a ring: 1 when the CTAs split the heads and V (one value head and one
-    /// block of columns per CTA; the new ring entries are then written by `kda_ring_append`).
-    pub ring_split: u32,
-    /// Padding (0).
-    pub spare: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<KdaParams>() == 15 * 8 + 22 * 4);
+const _: () = assert!(std::mem::size_of::<KdaParams>() == 15 * 8 + 20 * 4);
 
 // SAFETY: KdaParams is a plain `repr(C)` struct of u64/u32/f32 fields with no padding (checked
 // above), laid out exactly like the kernel's `struct KdaParams`; it is passed by value.

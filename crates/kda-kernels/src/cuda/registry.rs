@@ -33,7 +33,6 @@ pub(crate) struct StepKey {
 enum Key {
     Step(StepKey),
     Eager(StepKey),
-    Append(StepKey),
     Fill,
     Copy,
 }
@@ -151,7 +150,7 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
     }
     let one = |r: Result<Vec<CudaFunction>>| r.map(|mut v| v.remove(0));
     let f = match key {
-        Key::Step(k) | Key::Eager(k) | Key::Append(k) => {
+        Key::Step(k) | Key::Eager(k) => {
             let name = format!(
                 "kda_decode_{}_{}_{}_k{}_v{}.cu",
                 k.state.name(),
@@ -160,20 +159,14 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
                 k.k,
                 k.v
             );
-            // one module holds the three kernels of a key
-            let fs = compile(
-                ctx,
-                &step_source(&k),
-                &name,
-                &["kda_step", "kda_eager", "kda_ring_append"],
-            )?;
+            // one module holds both kernels of a key
+            let fs = compile(ctx, &step_source(&k), &name, &["kda_step", "kda_eager"])?;
             map.insert((ctx.ordinal(), Key::Step(k)), fs[0].clone());
             map.insert((ctx.ordinal(), Key::Eager(k)), fs[1].clone());
-            map.insert((ctx.ordinal(), Key::Append(k)), fs[2].clone());
-            return Ok(match key {
-                Key::Step(_) => fs[0].clone(),
-                Key::Eager(_) => fs[1].clone(),
-                _ => fs[2].clone(),
+            return Ok(if matches!(key, Key::Step(_)) {
+                fs[0].clone()
+            } else {
+                fs[1].clone()
             });
         }
         Key::Fill => one(compile(
@@ -202,12 +195,6 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 /// `kda_step`), compiled on first use.
 pub(crate) fn eager_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
     get(ctx, Key::Eager(key))
-}
-
-/// The split ring's append kernel `kda_ring_append` specialised on `key` (same module as
-/// `kda_step`), compiled on first use.
-pub(crate) fn ring_append_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
-    get(ctx, Key::Append(key))
 }
 
 /// The `kda_fill` kernel.
