@@ -45,22 +45,7 @@ impl CpuBackend {
 
 /// Reads the accepted counts after checking their length and buffer.
 fn accepted_counts<'a>(acc: &IndexView<'a, HostBuffer>, n: usize) -> Result<&'a [u32]> {
-    if acc.len != n {
-        return Err(KernelError::arg(
-            "accepted",
-            format!("has {} entries; expected one per sequence ({n})", acc.len),
-        ));
-    }
-    if acc.buf.len() < n * 4 {
-        return Err(KernelError::arg(
-            "accepted",
-            format!(
-                "buffer has {} bytes; {n} u32 counts need {}",
-                acc.buf.len(),
-                n * 4
-            ),
-        ));
-    }
+    validate::check_accepted(&HOST, acc, n)?;
     Ok(tensor::elems(acc.buf, n))
 }
 

@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use state_pool::{DeviceMemory, Dtype, PoolGeometry, RingMeta};
 
-use crate::api::{BatchPlan, CuSeqlens, GateMode, KdaOptions, StepInputs, TensorView};
+use crate::api::{BatchPlan, CuSeqlens, GateMode, IndexView, KdaOptions, StepInputs, TensorView};
 use crate::error::{KernelError, Result};
 
 /// The operation being validated.
@@ -231,6 +231,28 @@ fn check_gate_params<M: DeviceMemory>(
         )),
         Some(t) => check_tensor(mem, "dt_bias", t, Dtype::Fp32, hv * k, "[HV * K]"),
     }
+}
+
+/// Checks a view of accepted counts: one `u32` per sequence, in a buffer that holds them.
+pub fn check_accepted<M: DeviceMemory>(
+    mem: &M,
+    acc: &IndexView<'_, M::Buffer>,
+    n: usize,
+) -> Result<()> {
+    if acc.len != n {
+        return Err(KernelError::arg(
+            "accepted",
+            format!("has {} entries; expected one per sequence ({n})", acc.len),
+        ));
+    }
+    let bytes = mem.len(acc.buf);
+    if bytes < n * 4 {
+        return Err(KernelError::arg(
+            "accepted",
+            format!("buffer has {bytes} bytes; {n} u32 counts need {}", n * 4),
+        ));
+    }
+    Ok(())
 }
 
 /// Re-checks a batch's invariants ([`BatchPlan`]'s fields are public, so a batch may not have

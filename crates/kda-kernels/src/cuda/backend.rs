@@ -26,7 +26,7 @@ use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
     TensorViewMut,
 };
-use crate::cpu::validate::{check_layer, validate_call, CallArgs, Op};
+use crate::cpu::validate::{check_accepted, check_layer, validate_call, CallArgs, Op};
 use crate::error::{KernelError, Result};
 
 type Buf = CudaBuffer;
@@ -414,22 +414,7 @@ impl CudaBackend {
             }
         }
         if let Some(acc) = call.accepted {
-            if acc.len != n {
-                return Err(KernelError::arg(
-                    "accepted",
-                    format!("has {} entries; expected one per sequence ({n})", acc.len),
-                ));
-            }
-            if acc.buf.len() < n * 4 {
-                return Err(KernelError::arg(
-                    "accepted",
-                    format!(
-                        "buffer has {} bytes; {n} u32 counts need {}",
-                        acc.buf.len(),
-                        n * 4
-                    ),
-                ));
-            }
+            check_accepted(&self.mem, acc, n)?;
         }
         let (metas, accepted_host) = if exact {
             let metas = self.batch_metas(layer, plan)?;
