@@ -288,25 +288,36 @@ pub fn check_decode_matches_prefill<B: Backend>(be: &B, case: &Case, seed: u64) 
     (eo, es)
 }
 
-/// For an fp32 pool: decode through the case's ring (`ring_len > 0`) equals eager decode bit
-/// for bit, token for token, and so does the state after every flush (random flushes of some
-/// slots along the way, all slots at the end).
-pub fn check_ring_decode_matches_eager<B: Backend>(be: &B, case: &Case, steps: usize, seed: u64) {
+/// For the bit-exactness checks: asserts an fp32 pool with a ring, then two layers holding the
+/// same random initial states, one with the case's ring and one eager (`ring_len` 0).
+fn ring_and_eager_layers<B: Backend>(
+    be: &B,
+    case: &Case,
+    rng: &mut StdRng,
+) -> (TestLayer<Buf<B>>, TestLayer<Buf<B>>) {
     assert_eq!(
         case.state_dtype,
         Dtype::Fp32,
         "bit-exactness is a property of fp32 pools"
     );
     assert!(case.ring_len > 0, "the case needs a ring");
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mem = be.memory();
     let eager_case = Case {
         ring_len: 0,
         ..case.clone()
     };
-    let init = initial_states(case, &mut rng);
-    let mut ring = layer_with_states(be, case, &init, &mut rng);
-    let mut eager = layer_with_states(be, &eager_case, &init, &mut rng);
+    let init = initial_states(case, rng);
+    let ring = layer_with_states(be, case, &init, rng);
+    let eager = layer_with_states(be, &eager_case, &init, rng);
+    (ring, eager)
+}
+
+/// For an fp32 pool: decode through the case's ring (`ring_len > 0`) equals eager decode bit
+/// for bit, token for token, and so does the state after every flush (random flushes of some
+/// slots along the way, all slots at the end).
+pub fn check_ring_decode_matches_eager<B: Backend>(be: &B, case: &Case, steps: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mem = be.memory();
+    let (mut ring, mut eager) = ring_and_eager_layers(be, case, &mut rng);
     let n = case.slots.len();
     let params = HostInputs::random(&mut rng, case.dims(), 0, &case.opts, case.input_dtype);
     let ones = bounds_of(&vec![1; n]);
@@ -375,22 +386,10 @@ pub fn check_ring_decode_matches_eager<B: Backend>(be: &B, case: &Case, steps: u
 /// bit: the outputs of every accepted draft and the final state. The first steps cycle the
 /// accepted count through every value 0..=ring_len of a full verify.
 pub fn check_spec_verify_matches_eager<B: Backend>(be: &B, case: &Case, steps: usize, seed: u64) {
-    assert_eq!(
-        case.state_dtype,
-        Dtype::Fp32,
-        "bit-exactness is a property of fp32 pools"
-    );
     let r = case.ring_len;
-    assert!(r > 0, "the case needs a ring");
     let mut rng = StdRng::seed_from_u64(seed);
     let mem = be.memory();
-    let eager_case = Case {
-        ring_len: 0,
-        ..case.clone()
-    };
-    let init = initial_states(case, &mut rng);
-    let mut ring = layer_with_states(be, case, &init, &mut rng);
-    let mut eager = layer_with_states(be, &eager_case, &init, &mut rng);
+    let (mut ring, mut eager) = ring_and_eager_layers(be, case, &mut rng);
     let n = case.slots.len();
     let row = case.hv * case.v;
     let params = HostInputs::random(&mut rng, case.dims(), 0, &case.opts, case.input_dtype);
@@ -820,22 +819,10 @@ fn neighbours(x: f32, dtype: Dtype) -> (f32, f32) {
 /// never accepted, then a prefill, equal eager decode of the same tokens then the same
 /// prefill, bit for bit (outputs and state). The prefill leaves the ring empty.
 pub fn check_prefill_folds_the_ring_first<B: Backend>(be: &B, case: &Case, seed: u64) {
-    assert_eq!(
-        case.state_dtype,
-        Dtype::Fp32,
-        "bit-exactness is a property of fp32 pools"
-    );
     let r = case.ring_len;
-    assert!(r > 0, "the case needs a ring");
     let mut rng = StdRng::seed_from_u64(seed);
     let mem = be.memory();
-    let eager_case = Case {
-        ring_len: 0,
-        ..case.clone()
-    };
-    let init = initial_states(case, &mut rng);
-    let mut ring = layer_with_states(be, case, &init, &mut rng);
-    let mut eager = layer_with_states(be, &eager_case, &init, &mut rng);
+    let (mut ring, mut eager) = ring_and_eager_layers(be, case, &mut rng);
     let n = case.slots.len();
     let ones = bounds_of(&vec![1; n]);
     let params = HostInputs::random(&mut rng, case.dims(), 0, &case.opts, case.input_dtype);
