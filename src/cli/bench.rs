@@ -9,7 +9,14 @@
 //! spec_verify are measured in their steady state. Bytes counted: the state read and written,
 //! plus the ring entries read and written (averaged over the ring's cycle, simulated on the
 //! host for the accepted counts used).
+//!
+//! References, same run: the copy ceiling (the best launch shape of the `kda_copy` kernel over
+//! 1 GiB, each shape printed); per case a same-size copy (`copy_same_us`: `kda_copy` reading
+//! half the case's counted bytes and writing as many, one copy per slot set in one graph over
+//! disjoint buffers, timed like the case, best shape; timed once per size); and once a launch
+//! floor (the same method with copies of 16 bytes: the fixed cost of a launch in a graph).
 
+use std::collections::HashMap;
 use std::io::Write;
 
 use kda_kernels::cuda::{CudaBackend, CudaBatch, CudaBuffer};
@@ -99,6 +106,11 @@ struct Row {
     us: f64,
     state_bytes: f64,
     pct_of_copy: f64,
+    /// Device time of a `kda_copy` of the same bytes (half read, half written), timed the same
+    /// way (a graph of one copy per slot set over disjoint buffers).
+    copy_same_us: f64,
+    /// That copy's time as a percentage of ours (our share of the same-size copy's bandwidth).
+    pct_of_same_copy: f64,
 }
 
 const KD: usize = 128;
@@ -365,6 +377,8 @@ struct Bench<'a> {
     copy_bw: f64,
     replays: usize,
     rows: Vec<Row>,
+    /// Same-size copy references already timed: (bytes read per copy, copies) -> us per copy.
+    copy_same: HashMap<(usize, usize), f64>,
 }
 
 impl Bench<'_> {
@@ -390,6 +404,49 @@ impl Bench<'_> {
         Ok(us / sets as f64)
     }
 
+    /// Microseconds per copy of the best `kda_copy` launch shape that reads `read` bytes and
+    /// writes as many, timed like a case of `sets` slot sets (a graph of `sets` copies over
+    /// disjoint buffers, 3 warm-up replays, `replays` timed); timed once per run per size.
+    fn copy_same(&mut self, read: usize, sets: usize) -> Result<f64, CliError> {
+        if let Some(&us) = self.copy_same.get(&(read, sets)) {
+            return Ok(us);
+        }
+        let times = self
+            .be
+            .time_copies(read, sets, 3, self.replays)
+            .map_err(kerr)?;
+        let us = times.iter().map(|t| t.us).fold(f64::INFINITY, f64::min);
+        self.copy_same.insert((read, sets), us);
+        Ok(us)
+    }
+
+    /// Prints and records the launch floor: a graph of 64 copies of 16 bytes.
+    fn launch_floor(&mut self) -> Result<(), CliError> {
+        const COPIES: usize = 64;
+        let us = self.copy_same(16, COPIES)?;
+        let bytes = 32.0;
+        println!(
+            "launch floor: {us:.2} us per call (graph of {COPIES} kda_copy launches of 16 bytes, best shape)"
+        );
+        self.rows.push(Row {
+            op: "launch-floor".into(),
+            h: 0,
+            n: 0,
+            t: 0,
+            ring_len: 0,
+            state: "-".into(),
+            layout: "-".into(),
+            us,
+            state_bytes: bytes,
+            pct_of_copy: 100.0 * bytes / (us * 1e-6) / self.copy_bw,
+            copy_same_us: us,
+            pct_of_same_copy: 100.0,
+        });
+        Ok(())
+    }
+
+    /// Prints and records one case of `sets` slot sets that moved `bytes` bytes in `us`
+    /// microseconds per call, against the copy ceiling and a same-size copy.
     #[allow(clippy::too_many_arguments)]
     fn record(
         &mut self,
@@ -400,12 +457,15 @@ impl Bench<'_> {
         ring: usize,
         state: Dtype,
         layout: StateLayout,
+        sets: usize,
         us: f64,
         bytes: f64,
-    ) {
+    ) -> Result<(), CliError> {
         let pct = 100.0 * bytes / (us * 1e-6) / self.copy_bw;
+        let copy_us = self.copy_same((bytes / 2.0).round() as usize, sets)?;
+        let pct_same = 100.0 * copy_us / us;
         println!(
-            "{op:<8} H={h:<3} N={n:<4} T={t} ring={ring:<2} {:<5} {:<6} {us:>9.2} us {:>8.1} MB {:>7.2} TB/s {pct:>6.1}% of copy",
+            "{op:<8} H={h:<3} N={n:<4} T={t} ring={ring:<2} {:<5} {:<6} {us:>9.2} us {:>8.1} MB {:>7.2} TB/s {pct:>6.1}% of copy | copy_same {copy_us:>8.2} us {pct_same:>6.1}% of same",
             state.name(),
             layout.name(),
             bytes / 1e6,
@@ -423,7 +483,10 @@ impl Bench<'_> {
             us,
             state_bytes: bytes,
             pct_of_copy: pct,
+            copy_same_us: copy_us,
+            pct_of_same_copy: pct_same,
         });
+        Ok(())
     }
 }
 
@@ -483,12 +546,24 @@ pub fn run(args: Args) -> Result<(), CliError> {
     }
     let be = CudaBackend::new().map_err(kerr)?;
     println!("device: {}", be.device_name());
-    // warm the clocks up, then measure the copy ceiling
-    be.copy_bandwidth(1 << 30).map_err(kerr)?;
-    let copy_bw = be.copy_bandwidth(1 << 30).map_err(kerr)?;
-    let dma_bw = be.memcpy_bandwidth(1 << 30).map_err(kerr)?;
+    // warm the clocks up, then measure the copy ceiling: the best of the copy kernel's shapes
+    const CEILING: usize = 1 << 30;
+    be.time_copies(CEILING, 1, 50, 50).map_err(kerr)?;
+    let shapes = be.time_copies(CEILING, 1, 50, 50).map_err(kerr)?;
+    let mut copy_bw = 0.0f64;
+    for t in &shapes {
+        let bw = 2.0 * CEILING as f64 / (t.us * 1e-6);
+        println!(
+            "copy kernel ({}): {:.3} TB/s ({:.1} us)",
+            t.shape,
+            bw / 1e12,
+            t.us
+        );
+        copy_bw = copy_bw.max(bw);
+    }
+    let dma_bw = be.memcpy_bandwidth(CEILING).map_err(kerr)?;
     println!(
-        "device-to-device copy: {:.3} TB/s (read + write, 1 GiB, 16-byte copy kernel, graph replays); memcpy node: {:.3} TB/s",
+        "device-to-device copy: {:.3} TB/s (best shape; read + write, 1 GiB, 16-byte copy kernel, graph replays); memcpy node: {:.3} TB/s",
         copy_bw / 1e12,
         dma_bw / 1e12
     );
@@ -497,7 +572,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
         copy_bw,
         replays: args.replays,
         rows: Vec::new(),
+        copy_same: HashMap::new(),
     };
+    b.launch_floor()?;
 
     for &kind in &ops {
         for &layout in &layouts {
@@ -511,14 +588,25 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 for set in 0..s.batches.len() {
                                     enqueue(&be, &mut s, kind, set, None)?;
                                 }
-                                let sb = s.state_bytes();
+                                let (sb, sets) = (s.state_bytes(), s.batches.len());
                                 let us = b.time(&mut s, kind, None)?;
-                                b.record("decode", h, n, 1, 0, state, layout, us, 2.0 * sb);
+                                b.record("decode", h, n, 1, 0, state, layout, sets, us, 2.0 * sb)?;
                                 // the one-item-per-CTA kernel, same run (before/after)
                                 be.set_eager_pipelined(Some(false)).map_err(kerr)?;
                                 let us = b.time(&mut s, kind, None)?;
                                 be.set_eager_pipelined(None).map_err(kerr)?;
-                                b.record("decode-blocked", h, n, 1, 0, state, layout, us, 2.0 * sb);
+                                b.record(
+                                    "decode-blocked",
+                                    h,
+                                    n,
+                                    1,
+                                    0,
+                                    state,
+                                    layout,
+                                    sets,
+                                    us,
+                                    2.0 * sb,
+                                )?;
                                 for &w in &warps {
                                     be.set_eager_warps(Some(w)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;
@@ -530,9 +618,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                         0,
                                         state,
                                         layout,
+                                        sets,
                                         us,
                                         2.0 * sb,
-                                    );
+                                    )?;
                                 }
                                 be.set_eager_warps(None).map_err(kerr)?;
                                 for &st in &stages {
@@ -548,9 +637,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                             0,
                                             state,
                                             layout,
+                                            sets,
                                             us,
                                             2.0 * sb,
-                                        );
+                                        )?;
                                     }
                                     be.set_eager_warps(None).map_err(kerr)?;
                                 }
@@ -563,9 +653,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     enqueue(&be, &mut s, kind, set, None)?;
                                 }
                                 let (sb, eb) = (s.state_bytes(), s.entry_bytes());
+                                let sets = s.batches.len();
                                 let us = b.time(&mut s, kind, None)?;
                                 let bytes = sb + sb / l as f64 + eb * ((l + 1) as f64 / 2.0 + 1.0);
-                                b.record("decode", h, n, 1, l, state, layout, us, bytes);
+                                b.record("decode", h, n, 1, l, state, layout, sets, us, bytes)?;
                             }
                         }
                         Kind::Spec => {
@@ -586,8 +677,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                 let (store_frac, folded) = simulate_spec(&acc, t, l, 64);
                                 let (sb, eb) = (s.state_bytes(), s.entry_bytes());
+                                let sets = s.batches.len();
                                 let bytes = sb * (1.0 + store_frac) + eb * (folded + t as f64);
-                                b.record("spec", h, n, t, l, state, layout, us, bytes);
+                                b.record("spec", h, n, t, l, state, layout, sets, us, bytes)?;
                             }
                         }
                         Kind::Replay => {
@@ -645,9 +737,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     l,
                                     state,
                                     layout,
+                                    sets,
                                     us,
                                     2.0 * sb + eb * l as f64,
-                                );
+                                )?;
                             }
                         }
                     }

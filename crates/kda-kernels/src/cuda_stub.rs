@@ -29,6 +29,15 @@ pub enum CudaMemory {}
 #[derive(Debug)]
 pub enum CapturedGraph {}
 
+/// The device time of one copy in one launch shape (as the CUDA backend's `CopyTime`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CopyTime {
+    /// The launch shape, in words.
+    pub shape: String,
+    /// Mean device time of one copy in microseconds.
+    pub us: f64,
+}
+
 fn not_built() -> KernelError {
     KernelError::Unavailable {
         backend: "cuda",
@@ -191,6 +200,17 @@ impl CudaBackend {
     }
     /// Device-to-device copy bandwidth in bytes per second (read plus write).
     pub fn copy_bandwidth(&self, _bytes: usize) -> Result<f64> {
+        match *self {}
+    }
+    /// Device time of one copy of `bytes` bytes in a graph of `copies` copies, per launch
+    /// shape of the copy kernel.
+    pub fn time_copies(
+        &self,
+        _bytes: usize,
+        _copies: usize,
+        _warmup: usize,
+        _replays: usize,
+    ) -> Result<Vec<CopyTime>> {
         match *self {}
     }
     /// The same copy through a graph memcpy node, bytes per second.
