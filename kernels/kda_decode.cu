@@ -101,7 +101,7 @@ constexpr bool KF_VEC = (V % TV == 0); // K-first: TV columns as one vector
 constexpr int KS = roundup(LK * TK, 4); // smem row stride of per-row values (padded K)
 constexpr int VS = roundup(V, 4);
 constexpr int WC = LV * TV;             // columns of one warp
-constexpr int TC = cmax(1, cmin(8, 12288 / (3 * KS + VS))); // tokens per smem chunk
+constexpr int TC = cmax(1, cmin(8, 5632 / (3 * KS + VS))); // tokens per smem chunk (both kernels fit 48 KB)
 constexpr int KL = (K + 31) / 32;       // per-lane values of a K row in the prepass
 
 __device__ __forceinline__ int row_of(int lk, int r) {
@@ -445,6 +445,105 @@ __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan
     }
 }
 
+
+// The plan of sequence n, decided by thread 0 of each CTA: the pending entries folded first,
+// where the state is stored and where the new tokens go; records bad ring records and
+// accepted counts in the error word (first CTA of the slot only).
+__device__ __forceinline__ Plan make_plan(const KdaParams& p, kda_u32 n, kda_u32 slot, kda_u32 nnew,
+                                         const kda_u32* meta, kda_u32* err, bool first_cta) {
+    Plan pl;
+    pl.append_at = KDA_NONE;
+    pl.new_len = pl.new_pending = 0;
+    if (p.ring_len == 0) {
+        pl.pend = 0;
+        pl.store_after = (p.op == KDA_OP_DECODE && nnew > 0) ? nnew : KDA_NONE;
+    } else {
+        const volatile kda_u32* vm = meta;
+        kda_u32 len = vm[0], pending = vm[1];
+        kda_u32 flags = 0;
+        if (len > p.ring_len || pending > len) {
+            flags |= KDA_ERR_META;
+            len = min(len, p.ring_len);
+            pending = min(pending, len);
+        }
+        const kda_u32 drafts = len - pending;
+        kda_u32 acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
+        if (p.op == KDA_OP_DECODE) {
+            acc = 0;
+            if (drafts > 0) flags |= KDA_ERR_DECODE_DRAFTS;
+        }
+        if (acc > drafts) {
+            flags |= KDA_ERR_ACCEPTED;
+            acc = drafts;
+        }
+        pl.pend = pending + acc;
+        if (p.op == KDA_OP_REPLAY) {
+            pl.store_after = pl.pend > 0 ? pl.pend : KDA_NONE;
+        } else if (pl.pend + nnew <= p.ring_len) {
+            pl.store_after = KDA_NONE;
+            pl.append_at = pl.pend;
+            pl.new_len = pl.pend + nnew;
+            pl.new_pending = p.op == KDA_OP_DECODE ? pl.pend + nnew : pl.pend;
+        } else {
+            pl.store_after = pl.pend;
+            pl.append_at = 0;
+            pl.new_len = nnew;
+            pl.new_pending = p.op == KDA_OP_DECODE ? nnew : 0u;
+        }
+        if (flags && first_cta) {
+            atomicOr(err, flags);
+            atomicCAS(err + 1, KDA_NONE, slot);
+        }
+    }
+    if (pl.store_after != KDA_NONE && first_cta) atomicOr(err + 2, 1u);
+    return pl;
+}
+
+// The end of a CTA of a ring call: appends the new tokens' raw inputs of the CTA's unit (its
+// q/k head and value heads) to the ring, then the last CTA of the slot to arrive writes the new
+// record. Every thread of the CTA calls it, after its last ring read.
+__device__ __forceinline__ void ring_finish(const KdaParams& p, const Plan& pl, kda_u32 slot, kda_u32 bos,
+                                           kda_u32 nnew, kda_u32 unit, kda_u32* meta, kda_u32 per_seq) {
+    if (p.ring_len > 0) {
+        // Append the new tokens' raw inputs. This CTA's ring reads are all done (each prepass is
+        // followed by a barrier), and no other CTA reads the data written here.
+        if (pl.append_at != KDA_NONE && nnew > 0) {
+            __syncthreads();
+            const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+            const int h = (int)unit;
+            const int hv0 = h * (int)p.heads_per_cta, hpc = (int)p.heads_per_cta;
+            IT* ring = reinterpret_cast<IT*>(p.ring);
+            const IT* ik = reinterpret_cast<const IT*>(p.k);
+            const IT* iv = reinterpret_cast<const IT*>(p.v);
+            const IT* ig = reinterpret_cast<const IT*>(p.g);
+            const IT* ib = reinterpret_cast<const IT*>(p.beta);
+            for (kda_u32 j = 0; j < nnew; ++j) {
+                const size_t tok = bos + j;
+                IT* e = ring + ((size_t)slot * p.ring_len + pl.append_at + j) * entry;
+                for (int i = threadIdx.x; i < K; i += blockDim.x)
+                    e[(size_t)h * K + i] = ik[(tok * p.h + h) * K + i];
+                for (int i = threadIdx.x; i < hpc * V; i += blockDim.x)
+                    e[(size_t)p.h * K + (size_t)hv0 * V + i] = iv[(tok * p.hv + hv0) * V + i];
+                for (int i = threadIdx.x; i < hpc * K; i += blockDim.x)
+                    e[(size_t)p.h * K + (size_t)p.hv * V + (size_t)hv0 * K + i] = ig[(tok * p.hv + hv0) * K + i];
+                for (int i = threadIdx.x; i < hpc; i += blockDim.x)
+                    e[(size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv0 + i] = ib[tok * p.hv + hv0 + i];
+            }
+        }
+        // The new bookkeeping, written by the last CTA of the slot to arrive.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const kda_u32 old = atomicAdd(meta + 2, 1u);
+            if (old == per_seq - 1) {
+                meta[0] = pl.new_len;
+                meta[1] = pl.new_pending;
+                meta[2] = 0u;
+            }
+        }
+    }
+}
+
 } // namespace kda
 
 using namespace kda;
@@ -467,54 +566,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
     kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
     const bool first_cta = unit == 0 && vb == 0;
 
-    if (threadIdx.x == 0) {
-        Plan pl;
-        pl.append_at = KDA_NONE;
-        pl.new_len = pl.new_pending = 0;
-        if (p.ring_len == 0) {
-            pl.pend = 0;
-            pl.store_after = (p.op == KDA_OP_DECODE && nnew > 0) ? nnew : KDA_NONE;
-        } else {
-            volatile kda_u32* vm = meta;
-            kda_u32 len = vm[0], pending = vm[1];
-            kda_u32 flags = 0;
-            if (len > p.ring_len || pending > len) {
-                flags |= KDA_ERR_META;
-                len = min(len, p.ring_len);
-                pending = min(pending, len);
-            }
-            const kda_u32 drafts = len - pending;
-            kda_u32 acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
-            if (p.op == KDA_OP_DECODE) {
-                acc = 0;
-                if (drafts > 0) flags |= KDA_ERR_DECODE_DRAFTS;
-            }
-            if (acc > drafts) {
-                flags |= KDA_ERR_ACCEPTED;
-                acc = drafts;
-            }
-            pl.pend = pending + acc;
-            if (p.op == KDA_OP_REPLAY) {
-                pl.store_after = pl.pend > 0 ? pl.pend : KDA_NONE;
-            } else if (pl.pend + nnew <= p.ring_len) {
-                pl.store_after = KDA_NONE;
-                pl.append_at = pl.pend;
-                pl.new_len = pl.pend + nnew;
-                pl.new_pending = p.op == KDA_OP_DECODE ? pl.pend + nnew : pl.pend;
-            } else {
-                pl.store_after = pl.pend;
-                pl.append_at = 0;
-                pl.new_len = nnew;
-                pl.new_pending = p.op == KDA_OP_DECODE ? nnew : 0u;
-            }
-            if (flags && first_cta) {
-                atomicOr(err, flags);
-                atomicCAS(err + 1, KDA_NONE, slot);
-            }
-        }
-        if (pl.store_after != KDA_NONE && first_cta) atomicOr(err + 2, 1u);
-        s_plan = pl;
-    }
+    if (threadIdx.x == 0) s_plan = make_plan(p, n, slot, nnew, meta, err, first_cta);
     __syncthreads();
     const Plan pl = s_plan;
     const int ntok = (int)(pl.pend + nnew);
@@ -567,43 +619,347 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
         }
     }
 
-    if (p.ring_len > 0) {
-        // Append the new tokens' raw inputs. This CTA's ring reads are all done (each prepass is
-        // followed by a barrier), and no other CTA reads the data written here.
-        if (pl.append_at != KDA_NONE && nnew > 0) {
-            __syncthreads();
-            const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
-            const int h = (int)unit;
-            const int hv0 = h * (int)p.heads_per_cta, hpc = (int)p.heads_per_cta;
-            IT* ring = reinterpret_cast<IT*>(p.ring);
-            const IT* ik = reinterpret_cast<const IT*>(p.k);
-            const IT* iv = reinterpret_cast<const IT*>(p.v);
-            const IT* ig = reinterpret_cast<const IT*>(p.g);
-            const IT* ib = reinterpret_cast<const IT*>(p.beta);
-            for (kda_u32 j = 0; j < nnew; ++j) {
-                const size_t tok = bos + j;
-                IT* e = ring + ((size_t)slot * p.ring_len + pl.append_at + j) * entry;
-                for (int i = threadIdx.x; i < K; i += blockDim.x)
-                    e[(size_t)h * K + i] = ik[(tok * p.h + h) * K + i];
-                for (int i = threadIdx.x; i < hpc * V; i += blockDim.x)
-                    e[(size_t)p.h * K + (size_t)hv0 * V + i] = iv[(tok * p.hv + hv0) * V + i];
-                for (int i = threadIdx.x; i < hpc * K; i += blockDim.x)
-                    e[(size_t)p.h * K + (size_t)p.hv * V + (size_t)hv0 * K + i] = ig[(tok * p.hv + hv0) * K + i];
-                for (int i = threadIdx.x; i < hpc; i += blockDim.x)
-                    e[(size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv0 + i] = ib[tok * p.hv + hv0 + i];
+    ring_finish(p, pl, slot, bos, nnew, unit, meta, per_seq);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode, spec_verify and replay over the ring in chunked form (the default where there is a
+// ring). Same work split, plan, ring bookkeeping and lane mapping as kda_step, but the tokens
+// of a sub-chunk (at most TC of them, never across the store point) are not stepped one by one:
+// with the sub-chunk's start state S0 in registers, token i's recurrence
+//   S_i = diag(d_i) S_{i-1} + k_i u_i^T,  u_i = beta_i (v_i - k_i^T diag(d_i) S_{i-1}),
+//   o_i = q_i^T S_i
+// unrolls (R_{j,i} = prod_{m=j+1..i} d_m, G_i = R_{-1,i}, all per key row) to
+//   u_i = beta_i (v_i - (k_i o G_i)^T S0 - sum_{j<i} A_ij u_j),  A_ij = sum_k k_i k_j R_{j,i}
+//   o_i = (q_i o G_i)^T S0 + sum_{j<=i} B_ij u_j,                  B_ij = sum_k q_i k_j R_{j,i}
+//   S_end = diag(G_last) S0 + sum_j (k_j o R_{j,last}) u_j^T
+// so each token costs one (two with an output) independent K reductions of the unchanged S0
+// instead of a decay, a reduction, a rank-1 update and a second reduction in series, and the
+// state is updated once per sub-chunk. The scalars A, B and the per-row vectors are computed
+// once per CTA in shared memory. f32 throughout; the results differ from kda_step's in
+// rounding only (the order of the products and sums), so fp32 pools agree within 1e-5, not
+// bit for bit.
+
+namespace kda {
+
+constexpr int VW = roundup(V, WC); // columns of all the warps of a CTA, at most
+
+struct ChunkSmem {
+    float u[TC][VW];   // u_i of every column (written by lane lk == 0 of its column group)
+    float kg[TC][KS];  // k_i o G_i: projections giving k_i^T diag(d_i) S_{i-1}'s S0 part
+    float qg[TC][KS];  // q_i o G_i (new tokens)
+    float kr[TC][KS];  // k_j o R_{j,last}: the state update
+    float gl[KS];      // G_last
+    float a[TC][TC];   // A_ij (j < i)
+    float b[TC][TC];   // B_ij (j <= i, new tokens i)
+};
+
+// The per-sub-chunk factors of tokens [t0, t0 + tc) (activations already in sm): per key row
+// the cumulative decays (one thread per row), and the pair sums A and B (one warp per pair).
+__device__ __forceinline__ void chunk_factors(const Smem& sm, ChunkSmem& cs, int t0, int tc, kda_u32 pend) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int r = threadIdx.x; r < KS; r += blockDim.x) {
+        float g = 1.0f;
+        for (int i = 0; i < tc; ++i) {
+            g *= sm.d[i][r];
+            cs.kg[i][r] = sm.k[i][r] * g;
+            if ((kda_u32)(t0 + i) >= pend) cs.qg[i][r] = sm.q[i][r] * g;
+        }
+        cs.gl[r] = g;
+        float rr = 1.0f;
+        for (int j = tc - 1; j >= 0; --j) {
+            cs.kr[j][r] = sm.k[j][r] * rr;
+            rr *= sm.d[j][r];
+        }
+    }
+    // A_ij, B_ij of row i: one warp per row, j from i down to 0 with the running product
+    // R_{j,i} = R_{j+1,i} d_{j+1} of the lane's key rows (the rows of the lane: lane + 32 m)
+    for (int i = warp; i < tc; i += nwarps) {
+        const bool fresh = (kda_u32)(t0 + i) >= pend;
+        float ki[KL], qi[KL], rr[KL];
+#pragma unroll
+        for (int m = 0; m < KL; ++m) {
+            const int r = lane + 32 * m;
+            ki[m] = r < K ? sm.k[i][r] : 0.0f;
+            qi[m] = (r < K && fresh) ? sm.q[i][r] : 0.0f;
+            rr[m] = 1.0f;
+        }
+        for (int j = i; j >= 0; --j) {
+            float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+            for (int m = 0; m < KL; ++m) {
+                const int r = lane + 32 * m;
+                if (r < K) {
+                    const float kj = sm.k[j][r] * rr[m];
+                    sa = fmaf(ki[m], kj, sa);
+                    sb = fmaf(qi[m], kj, sb);
+                    rr[m] *= sm.d[j][r];
+                }
+            }
+            if (j < i) {
+                sa = warp_sum(sa);
+                if (lane == 0) cs.a[i][j] = sa;
+            }
+            if (fresh) {
+                sb = warp_sum(sb);
+                if (lane == 0) cs.b[i][j] = sb;
             }
         }
-        // The new bookkeeping, written by the last CTA of the slot to arrive.
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            const kda_u32 old = atomicAdd(meta + 2, 1u);
-            if (old == per_seq - 1) {
-                meta[0] = pl.new_len;
-                meta[1] = pl.new_pending;
-                meta[2] = 0u;
+    }
+}
+
+// Sums the lane's partial projections over the LK lanes of its column group, two at a time
+// (independent shuffles in flight together).
+__device__ __forceinline__ void reduce_k2(float (&x)[TV], float (&y)[TV]) {
+#pragma unroll
+    for (int m = LV; m < 32; m <<= 1) {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) {
+            x[c] += KDA_SHFL_XOR(x[c], m);
+            y[c] += KDA_SHFL_XOR(y[c], m);
+        }
+    }
+}
+
+// The lane's partial projection sum_r x[row r] s[r][c] of a padded per-row vector x.
+__device__ __forceinline__ void project(const float (&s)[TK][TV], const float* x, int lk, float (&acc)[TV]) {
+    float xv[TK];
+    rows_from_smem(x, lk, xv);
+#pragma unroll
+    for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < TK; ++r) {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) acc[c] = fmaf(xv[r], s[r][c], acc[c]);
+    }
+}
+
+} // namespace kda
+
+namespace kda {
+
+// One work item of kda_chunk: sequence n, unit (q/k head with its value heads), column block.
+struct ChunkItem {
+    kda_u32 n, unit, vb, slot, bos, nnew;
+};
+
+__device__ __forceinline__ ChunkItem chunk_lookup(const KdaParams& p, kda_u32 item) {
+    const kda_u32 per_seq = p.units * p.vblocks;
+    ChunkItem it;
+    it.n = item / per_seq;
+    const kda_u32 rem = item % per_seq;
+    it.unit = rem / p.vblocks;
+    it.vb = rem % p.vblocks;
+    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
+    it.slot = reinterpret_cast<const kda_u32*>(p.slots)[it.n];
+    it.bos = bounds[it.n];
+    it.nnew = bounds[it.n + 1] - it.bos;
+    return it;
+}
+
+// Prefetches the 128-byte lines of [ptr, ptr + bytes) into L2, lanes of a warp striding lines.
+__device__ __forceinline__ void prefetch_range(const void* ptr, size_t bytes, int lane, int lanes) {
+    if (bytes == 0) return;
+    const kda_u64 first = reinterpret_cast<kda_u64>(ptr) & ~(kda_u64)127;
+    const kda_u64 last = (reinterpret_cast<kda_u64>(ptr) + bytes - 1) & ~(kda_u64)127;
+    for (kda_u64 a = first + (kda_u64)lane * 128; a <= last; a += (kda_u64)lanes * 128)
+        KDA_PREFETCH_L2(reinterpret_cast<const void*>(a));
+}
+
+// Asks L2 for everything an item will read (its record, its state, every ring entry of its
+// unit, its new tokens' inputs) while the CTA works on the item before it: a hint, no wait.
+__device__ __forceinline__ void chunk_prefetch(const KdaParams& p, const ChunkItem& it) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const size_t hpc = p.heads_per_cta, hv0 = (size_t)it.unit * hpc, h = it.unit;
+    const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + hv0) * ((size_t)K * V);
+    prefetch_range(head, hpc * K * V * sizeof(ST), threadIdx.x, blockDim.x);
+    if (threadIdx.x == 0) KDA_PREFETCH_L2(reinterpret_cast<const kda_u32*>(p.meta) + (size_t)it.slot * 4);
+    const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)it.slot * p.ring_len * entry;
+    const int segs = 4 * (int)p.ring_len + 5 * (int)it.nnew;
+    for (int sg = warp; sg < segs; sg += nwarps) {
+        const IT* ptr;
+        size_t len;
+        if (sg < 4 * (int)p.ring_len) {
+            const IT* e = ring + (size_t)(sg / 4) * entry;
+            switch (sg % 4) {
+            case 0: ptr = e + h * K; len = K; break;
+            case 1: ptr = e + (size_t)p.h * K + hv0 * V; len = hpc * V; break;
+            case 2: ptr = e + (size_t)p.h * K + (size_t)p.hv * V + hv0 * K; len = hpc * K; break;
+            default: ptr = e + (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv0; len = hpc; break;
+            }
+        } else {
+            const int x = sg - 4 * (int)p.ring_len;
+            const size_t tok = it.bos + (size_t)(x / 5);
+            switch (x % 5) {
+            case 0: ptr = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K; len = K; break;
+            case 1: ptr = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K; len = K; break;
+            case 2: ptr = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv0) * V; len = hpc * V; break;
+            case 3: ptr = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv0) * K; len = hpc * K; break;
+            default: ptr = reinterpret_cast<const IT*>(p.beta) + tok * p.hv + hv0; len = hpc; break;
             }
         }
+        prefetch_range(ptr, len * sizeof(IT), lane, 32);
+    }
+}
+
+} // namespace kda
+
+// Persistent CTAs loop over the items (item = blockIdx.x + i * gridDim.x); while one item is
+// computed, the next one's data is prefetched into L2 and the one after it is looked up.
+extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk(const KdaParams p) {
+    __shared__ __align__(16) Smem sm;
+    __shared__ __align__(16) ChunkSmem cs;
+    __shared__ Plan s_plan;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int lk = lane / LV, lv = lane % LV;
+    const kda_u32 per_seq = p.units * p.vblocks;
+    const kda_u32 total = p.n_seqs * per_seq;
+    kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
+    const int hpc = (int)p.heads_per_cta;
+    const int group = (int)(p.hv / p.h);
+    const int cc = nwarps * WC; // columns per chunk of columns
+    const int nchunks = (V + cc - 1) / cc;
+    if (blockIdx.x >= total) return;
+    ChunkItem nxt = chunk_lookup(p, min(blockIdx.x + gridDim.x, total - 1));
+    ChunkItem cur = chunk_lookup(p, blockIdx.x);
+    for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x) {
+    const ChunkItem me = cur;
+    if (item + gridDim.x < total) {
+        chunk_prefetch(p, nxt);
+        cur = nxt;
+        nxt = chunk_lookup(p, min(item + 2 * gridDim.x, total - 1));
+    }
+    const kda_u32 n = me.n, unit = me.unit, vb = me.vb, slot = me.slot, bos = me.bos, nnew = me.nnew;
+    kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
+    const bool first_cta = unit == 0 && vb == 0;
+    // The first tile's loads go out before the plan is known (they are needed unless the
+    // sequence has no work at all).
+    float s[TK][TV];
+    {
+        const int hv = (int)unit * hpc;
+        const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)slot * p.hv + hv) * ((size_t)K * V);
+        load_tile(head, lk, (int)vb * cc + warp * WC + lv * TV, s);
+    }
+    if (threadIdx.x == 0) s_plan = make_plan(p, n, slot, nnew, meta, err, first_cta);
+    __syncthreads();
+    const Plan pl = s_plan;
+    const int ntok = (int)(pl.pend + nnew);
+    const bool work = nnew > 0 || pl.store_after != KDA_NONE;
+
+    if (work) {
+        const kda_u32 sr_base =
+            p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, p.epoch) : 0u;
+        bool first = true;
+        for (int j = 0; j < hpc; ++j) {
+            const int hv = (int)unit * hpc + j;
+            const int h = hv / group;
+            const float a_exp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+            ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)slot * p.hv + hv) * ((size_t)K * V);
+            const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+            for (int chunk = (int)vb; chunk < nchunks; chunk += (int)p.vblocks) {
+                const int cbeg = chunk * cc;
+                const int cend = min(cbeg + cc, VS);
+                const int col0 = cbeg + warp * WC + lv * TV;
+                if (!first) load_tile(head, lk, col0, s);
+                first = false;
+                for (int t0 = 0; t0 < ntok;) {
+                    // the sub-chunk [t0, t1): at most TC tokens, ending at the store point
+                    int t1 = min(t0 + TC, ntok);
+                    if (pl.store_after != KDA_NONE && (kda_u32)t0 < pl.store_after && pl.store_after < (kda_u32)t1)
+                        t1 = (int)pl.store_after;
+                    const int tc = t1 - t0;
+                    const bool store = (kda_u32)t1 == pl.store_after;
+                    __syncthreads();
+                    prepass(sm, p, pl, slot, bos, hv, h, t0, tc, cbeg, cend, a_exp);
+                    __syncthreads();
+                    chunk_factors(sm, cs, t0, tc, pl.pend);
+                    __syncthreads();
+#pragma unroll
+                    for (int i = 0; i < TC; ++i) {
+                        if (i < tc) {
+                            const kda_u32 tt = (kda_u32)(t0 + i);
+                            const bool fresh = tt >= pl.pend;
+                            float w[TV], o[TV];
+                            project(s, cs.kg[i], lk, w);
+                            if (fresh) {
+                                project(s, cs.qg[i], lk, o);
+                                reduce_k2(w, o);
+                            } else {
+                                reduce_k(w);
+                            }
+                            const float* vp = sm.v[i] + col0;
+                            const float bt = sm.beta[i];
+                            float ui[TV];
+#pragma unroll
+                            for (int c = 0; c < TV; ++c) ui[c] = (c < V - col0 ? vp[c] : 0.0f) - w[c];
+                            // u_j (j < i) of the lane's columns, written by its group's lane 0
+                            for (int jj = 0; jj < i; ++jj) {
+                                const float4 uj = *reinterpret_cast<const float4*>(&cs.u[jj][col0 - cbeg]);
+                                const float aij = cs.a[i][jj];
+                                ui[0] = fmaf(-aij, uj.x, ui[0]);
+                                ui[1] = fmaf(-aij, uj.y, ui[1]);
+                                ui[2] = fmaf(-aij, uj.z, ui[2]);
+                                ui[3] = fmaf(-aij, uj.w, ui[3]);
+                                if (fresh) {
+                                    const float bij = cs.b[i][jj];
+                                    o[0] = fmaf(bij, uj.x, o[0]);
+                                    o[1] = fmaf(bij, uj.y, o[1]);
+                                    o[2] = fmaf(bij, uj.z, o[2]);
+                                    o[3] = fmaf(bij, uj.w, o[3]);
+                                }
+                            }
+#pragma unroll
+                            for (int c = 0; c < TV; ++c) ui[c] *= bt;
+                            if (fresh) {
+                                const float bii = cs.b[i][i];
+#pragma unroll
+                                for (int c = 0; c < TV; ++c) o[c] = fmaf(bii, ui[c], o[c]);
+                                if (lk == 0 && col0 < V) {
+                                    const size_t tok = bos + (tt - pl.pend);
+                                    store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
+                                }
+                            }
+                            if (lk == 0) *reinterpret_cast<float4*>(&cs.u[i][col0 - cbeg]) = make_float4(ui[0], ui[1], ui[2], ui[3]);
+                            KDA_SYNCWARP();
+                        }
+                    }
+                    if (store || t1 < ntok) {
+                        // S_end = diag(G_last) S0 + sum_j (k_j o R_{j,last}) u_j^T
+                        float gv[TK];
+                        rows_from_smem(cs.gl, lk, gv);
+#pragma unroll
+                        for (int r = 0; r < TK; ++r) {
+#pragma unroll
+                            for (int c = 0; c < TV; ++c) s[r][c] *= gv[r];
+                        }
+                        for (int i = 0; i < tc; ++i) {
+                            float kv[TK];
+                            rows_from_smem(cs.kr[i], lk, kv);
+                            const float4 ui = *reinterpret_cast<const float4*>(&cs.u[i][col0 - cbeg]);
+                            const float uc[TV] = {ui.x, ui.y, ui.z, ui.w};
+#pragma unroll
+                            for (int r = 0; r < TK; ++r) {
+#pragma unroll
+                                for (int c = 0; c < TV; ++c) s[r][c] = fmaf(kv[r], uc[c], s[r][c]);
+                            }
+                        }
+                    }
+                    if (store) {
+                        if (p.sr) {
+                            store_tile<true>(head, lk, col0, s, sr_base, elem0);
+                        } else {
+                            store_tile<false>(head, lk, col0, s, sr_base, elem0);
+                        }
+                    }
+                    t0 = t1;
+                }
+            }
+        }
+    }
+
+    ring_finish(p, pl, slot, bos, nnew, unit, meta, per_seq);
     }
 }
 

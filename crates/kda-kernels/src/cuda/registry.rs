@@ -33,6 +33,7 @@ pub(crate) struct StepKey {
 enum Key {
     Step(StepKey),
     Eager(StepKey),
+    Chunk(StepKey),
     Fill,
     Copy,
 }
@@ -150,7 +151,7 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
     }
     let one = |r: Result<Vec<CudaFunction>>| r.map(|mut v| v.remove(0));
     let f = match key {
-        Key::Step(k) | Key::Eager(k) => {
+        Key::Step(k) | Key::Eager(k) | Key::Chunk(k) => {
             let name = format!(
                 "kda_decode_{}_{}_{}_k{}_v{}.cu",
                 k.state.name(),
@@ -159,15 +160,19 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
                 k.k,
                 k.v
             );
-            // one module holds both kernels of a key
-            let fs = compile(ctx, &step_source(&k), &name, &["kda_step", "kda_eager"])?;
-            map.insert((ctx.ordinal(), Key::Step(k)), fs[0].clone());
-            map.insert((ctx.ordinal(), Key::Eager(k)), fs[1].clone());
-            return Ok(if matches!(key, Key::Step(_)) {
-                fs[0].clone()
-            } else {
-                fs[1].clone()
-            });
+            // one module holds the three kernels of a key
+            let fs = compile(
+                ctx,
+                &step_source(&k),
+                &name,
+                &["kda_step", "kda_eager", "kda_chunk"],
+            )?;
+            let keys = [Key::Step(k), Key::Eager(k), Key::Chunk(k)];
+            for (kk, f) in keys.iter().zip(&fs) {
+                map.insert((ctx.ordinal(), *kk), f.clone());
+            }
+            let at = keys.iter().position(|kk| *kk == key).unwrap_or(0);
+            return Ok(fs[at].clone());
         }
         Key::Fill => one(compile(
             ctx,
@@ -195,6 +200,12 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 /// `kda_step`), compiled on first use.
 pub(crate) fn eager_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
     get(ctx, Key::Eager(key))
+}
+
+/// The chunked ring kernel `kda_chunk` specialised on `key` (same module as `kda_step`),
+/// compiled on first use.
+pub(crate) fn chunk_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+    get(ctx, Key::Chunk(key))
 }
 
 /// The `kda_fill` kernel.
