@@ -657,12 +657,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let us = b.time(&mut s, kind, None)?;
                                 let bytes = sb + sb / l as f64 + eb * ((l + 1) as f64 / 2.0 + 1.0);
                                 b.record("decode", h, n, 1, l, state, layout, sets, us, bytes)?;
-                                // the token-by-token ring kernel, same run (before/after)
-                                be.set_ring_chunked(Some(false)).map_err(kerr)?;
+                                // the chunked ring kernel, same run (opt-in)
+                                be.set_ring_chunked(Some(true)).map_err(kerr)?;
                                 let us = b.time(&mut s, kind, None)?;
                                 be.set_ring_chunked(None).map_err(kerr)?;
                                 b.record(
-                                    "decode-serial",
+                                    "decode-chunked",
                                     h,
                                     n,
                                     1,
@@ -696,11 +696,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let sets = s.batches.len();
                                 let bytes = sb * (1.0 + store_frac) + eb * (folded + t as f64);
                                 b.record("spec", h, n, t, l, state, layout, sets, us, bytes)?;
-                                be.set_ring_chunked(Some(false)).map_err(kerr)?;
+                                be.set_ring_chunked(Some(true)).map_err(kerr)?;
                                 let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                 be.set_ring_chunked(None).map_err(kerr)?;
                                 b.record(
-                                    "spec-serial",
+                                    "spec-chunked",
                                     h,
                                     n,
                                     t,
