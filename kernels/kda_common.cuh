@@ -78,6 +78,30 @@ __device__ __forceinline__ kda_half kda_sr_f16(float x, kda_u32 r) {
     return kda_float_to_half(copysignf(fminf(y, 65504.0f), x));
 }
 
+// Two f32 values rounded to nearest even into one 32-bit word of two 2-byte elements (`lo` at
+// the lower address): one conversion instruction for both where the device has it, the same
+// bits as two single conversions.
+template <typename T> __device__ __forceinline__ kda_u32 kda_pack2_rn(float lo, float hi);
+template <> __device__ __forceinline__ kda_u32 kda_pack2_rn<kda_half>(float lo, float hi) {
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    kda_u32 w;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+#else
+    return (kda_u32)KDA_HALF_BITS(kda_float_to_half(lo)) | ((kda_u32)KDA_HALF_BITS(kda_float_to_half(hi)) << 16);
+#endif
+}
+template <> __device__ __forceinline__ kda_u32 kda_pack2_rn<kda_bf16>(float lo, float hi) {
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    kda_u32 w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+#else
+    return (kda_u32)KDA_BF16_BITS(kda_float_to_bf16(lo)) | ((kda_u32)KDA_BF16_BITS(kda_float_to_bf16(hi)) << 16);
+#endif
+}
+template <> __device__ __forceinline__ kda_u32 kda_pack2_rn<float>(float, float) { return 0u; } // unused
+
 // Stochastic store of one element of type T (exact for f32).
 template <typename T> struct KdaSr;
 template <> struct KdaSr<float> {

@@ -214,7 +214,12 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
         for (int r = 0; r < TK; ++r) {
             const int kr = row_of(lk, r);
             if (kr >= K) continue;
-            if constexpr (KF_VEC) {
+            if constexpr (KF_VEC && !SR && sizeof(ST) == 2 && TV == 4) {
+                // two elements per conversion instruction (same bits as one at a time)
+                if (col0 >= V) continue;
+                *reinterpret_cast<uint2*>(head + (size_t)kr * V + col0) =
+                    make_uint2(kda_pack2_rn<ST>(s[r][0], s[r][1]), kda_pack2_rn<ST>(s[r][2], s[r][3]));
+            } else if constexpr (KF_VEC) {
                 if (col0 >= V) continue;
                 ST tmp[TV];
 #pragma unroll
@@ -240,6 +245,15 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
             for (int j = 0; j < NG; ++j) {
                 const int k0 = (j * LK + lk) * RG;
                 if (k0 >= K) continue;
+                if constexpr (!SR && sizeof(ST) == 2 && RG == 8) {
+                    // two elements per conversion instruction (same bits as one at a time)
+                    *reinterpret_cast<uint4*>(head + (size_t)col * K + k0) =
+                        make_uint4(kda_pack2_rn<ST>(s[j * RG + 0][c], s[j * RG + 1][c]),
+                                   kda_pack2_rn<ST>(s[j * RG + 2][c], s[j * RG + 3][c]),
+                                   kda_pack2_rn<ST>(s[j * RG + 4][c], s[j * RG + 5][c]),
+                                   kda_pack2_rn<ST>(s[j * RG + 6][c], s[j * RG + 7][c]));
+                    continue;
+                }
                 ST tmp[RG];
 #pragma unroll
                 for (int e = 0; e < RG; ++e)
@@ -1007,6 +1021,15 @@ __device__ __forceinline__ void copy_chunks(unsigned char* dst, const unsigned c
 
 __host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
 
+// The K-first tile in shared memory is swizzled by 16-byte chunks: chunk o of tile row `row`
+// is stored at chunk o ^ kf_swizzle(row). The lanes of a column group read the same columns of
+// rows TK apart (lk); rows whose length is a multiple of 128 bytes would put all of them on the
+// same banks, the swizzle spreads them over the row. Only where cpr (chunks per row) is a power
+// of two (else no swizzle), so that o ^ kf_swizzle stays inside the row.
+__device__ __forceinline__ int kf_swizzle(int row, int cpr) {
+    return (cpr & (cpr - 1)) ? 0 : (row / TK) & (cpr - 1);
+}
+
 // Byte offsets inside one stage: the tile (K-first [K][cw], V-first [cw][K]), then the raw
 // q, k, g rows ([K] each) and v ([cw]) of the input type, dt_bias ([K] f32), then 16 bytes of
 // scalars: the aligned word holding the raw beta, and a_log (f32).
@@ -1060,23 +1083,12 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 }
 #endif
 
-// Issues the copies of one item into a stage (its state tile, token inputs and scalars).
+// Issues the copies of one item into a stage as two cp.async groups: first its token inputs
+// and scalars (committed here), then its state tile (the caller commits), so the activations
+// can start before the tile has arrived.
 __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage& L, const KdaParams& p,
                                             EagerItem& it, int cw) {
     const int cwv = cmin(cw, V - it.cb); // valid columns (a multiple of 16 bytes' worth)
-    const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
-    if constexpr (!VFIRST) {
-        const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
-        for (int j = threadIdx.x; j < K * cpr; j += blockDim.x) {
-            const int row = j / cpr, o = j - row * cpr;
-            if (o < cprv)
-                cp_async16(st + L.tile + (size_t)row * cw * sizeof(ST) + 16 * o,
-                           reinterpret_cast<const unsigned char*>(head + (size_t)row * V + it.cb) + 16 * o);
-        }
-    } else {
-        copy_chunks(st + L.tile, reinterpret_cast<const unsigned char*>(head + (size_t)it.cb * K),
-                    cwv * K * (int)sizeof(ST));
-    }
     const int h = it.hv / (int)(p.hv / p.h);
     const IT* q = reinterpret_cast<const IT*>(p.q) + ((size_t)it.tok * p.h + h) * K;
     const IT* k = reinterpret_cast<const IT*>(p.k) + ((size_t)it.tok * p.h + h) * K;
@@ -1104,6 +1116,25 @@ __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage&
     }
     if (p.gate_mode != 0u && threadIdx.x == 32 % blockDim.x)
         cp_async4(st + L.scal + 4, reinterpret_cast<const float*>(p.a_log) + it.hv);
+    cp_async_commit();
+    const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
+    if constexpr (!VFIRST) {
+        // cpr (chunks per tile row) divides blockDim.x (cw = warps x WC, WC x sizeof(ST) a
+        // power-of-two multiple of 16 <= 512): a thread copies chunk o of rows r0, r0 + step, ...
+        const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
+        const int o = (int)threadIdx.x % cpr, step = (int)blockDim.x / cpr;
+        if (o < cprv) {
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(head + it.cb) + 16 * o;
+            unsigned char* dst = st + L.tile + 16 * o;
+            const size_t rb = (size_t)cw * sizeof(ST), gb = (size_t)V * sizeof(ST);
+            // 16-byte chunk o of a row lands at chunk o ^ kf_swizzle(row) (tile_from_stage)
+            for (int row = (int)threadIdx.x / cpr; row < K; row += step)
+                cp_async16(dst + (size_t)row * rb + 16 * ((o ^ kf_swizzle(row, cpr)) - o), src + (size_t)row * gb);
+        }
+    } else {
+        copy_chunks(st + L.tile, reinterpret_cast<const unsigned char*>(head + (size_t)it.cb * K),
+                    cwv * K * (int)sizeof(ST));
+    }
 }
 
 // The lane's tile from a stage (cw columns starting at the item's first column; col0l: the
@@ -1112,12 +1143,17 @@ __device__ __forceinline__ void tile_from_stage(const ST* t, int lk, int col0l, 
                                                 float (&s)[TK][TV]) {
     const bool ok = col0l < cwv;
     if constexpr (!VFIRST) {
+        // the lane's rows all have the swizzle lk (kf_swizzle); its TV columns stay inside one
+        // 16-byte chunk
+        const int cpr = cw * (int)sizeof(ST) / 16;
+        const int byte0 = col0l * (int)sizeof(ST);
+        const int colsw = ((((byte0 >> 4) ^ kf_swizzle(row_of(lk, 0), cpr)) << 4) | (byte0 & 15)) / (int)sizeof(ST);
 #pragma unroll
         for (int r = 0; r < TK; ++r) {
             const int kr = row_of(lk, r);
             float tmp[TV];
             if (ok) {
-                kda_load_vec<ST, TV>(t + (size_t)kr * cw + col0l, tmp);
+                kda_load_vec<ST, TV>(t + (size_t)kr * cw + colsw, tmp);
             } else {
 #pragma unroll
                 for (int c = 0; c < TV; ++c) tmp[c] = 0.0f;
@@ -1168,11 +1204,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
     if (item >= total) return;
     EagerItem nxt;
     kda_u32 issued = item; // the next item to issue
+    // Two cp.async groups per item (inputs, tile), committed even when empty so the counts of
+    // the waits below hold.
     for (int j = 0; j < S - 1; ++j) {
         if (issued < total) {
             EagerItem it = eager_lookup(p, issued);
             eager_issue(dsm + (size_t)j * L.bytes, L, p, it, cw);
             if (threadIdx.x == 0) s_items[j] = it;
+        } else {
+            cp_async_commit();
         }
         cp_async_commit();
         issued += grid;
@@ -1182,21 +1222,25 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
     for (int i = 0; item < total; item += grid, ++i) {
         const int stage = i % S;
         unsigned char* st = dsm + (size_t)stage * L.bytes;
+        // this item's inputs (2 (S - 1) groups in flight, the oldest pair is this item's)
+        if (S == 3) {
+            cp_async_wait<3>();
+        } else {
+            cp_async_wait<1>();
+        }
+        __syncthreads();
+        const EagerItem me = s_items[stage];
+        // Every warp is done with the previous item (this barrier), whose stage is refilled now.
         if (issued < total) {
             const int js = (i + S - 1) % S;
             eager_issue(dsm + (size_t)js * L.bytes, L, p, nxt, cw);
             if (threadIdx.x == 0) s_items[js] = nxt;
             issued += grid;
             if (issued < total) nxt = eager_lookup(p, issued);
+        } else {
+            cp_async_commit();
         }
         cp_async_commit();
-        if (S == 3) {
-            cp_async_wait<2>();
-        } else {
-            cp_async_wait<1>();
-        }
-        __syncthreads();
-        const EagerItem me = s_items[stage];
         const float beta_raw = beta_from_word<IT>(*reinterpret_cast<const kda_u32*>(st + L.scal), me.beta_off);
         const float a_log = *reinterpret_cast<const float*>(st + L.scal + 4);
 
@@ -1218,10 +1262,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
                 if (tid == 0) abeta = act_beta(beta_raw, p);
             }
         }
+        // this item's tile (2 S groups committed after it... its own and the S - 1 items after)
+        if (S == 3) {
+            cp_async_wait<4>();
+        } else {
+            cp_async_wait<2>();
+        }
+        __syncthreads();
         float s[TK][TV];
         const int col0l = warp * WC + lv * TV;
         tile_from_stage(reinterpret_cast<const ST*>(st + L.tile), lk, col0l, cwv, cw, s);
-        __syncthreads();
 
         const int col0 = me.cb + col0l;
         float o[TV];
@@ -1235,8 +1285,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         } else {
             store_tile<false>(head, lk, col0, s, 0u, elem0);
         }
-        // the next iteration's copies overwrite this stage only after every warp has read it
-        // (the barrier above), and its activations only after the barrier after its wait.
+        // the copies into this stage are issued again only after the next iteration's first
+        // barrier, which every warp reaches after its reads of this stage.
     }
     cp_async_wait<0>();
 }
