@@ -997,6 +997,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_commit() {}
 template <int N> __device__ __forceinline__ void cp_async_wait() {}
+// A shared-memory location as a base pointer plus a byte offset.
+struct SmemAt {
+    unsigned char* base;
+    __device__ __forceinline__ explicit SmemAt(unsigned char* b) : base(b) {}
+};
+__device__ __forceinline__ void cp_async16_at(const SmemAt& d, kda_u32 off, const void* src) {
+    cp_async16(d.base + off, src);
+}
 #else
 __device__ __forceinline__ kda_u32 smem_addr(const void* ptr) {
     kda_u32 a;
@@ -1006,6 +1014,15 @@ __device__ __forceinline__ kda_u32 smem_addr(const void* ptr) {
 // 16 bytes global -> shared, asynchronous (L2 only: the state is read once).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+// A shared-memory location as its 32-bit shared-window address (offsets are added in 32 bits,
+// no generic-to-shared conversion per copy).
+struct SmemAt {
+    kda_u32 addr;
+    __device__ __forceinline__ explicit SmemAt(unsigned char* b) : addr(smem_addr(b)) {}
+};
+__device__ __forceinline__ void cp_async16_at(const SmemAt& d, kda_u32 off, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d.addr + off), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.
@@ -1055,16 +1072,26 @@ struct EagerItem {
     int beta_off;      // byte offset of the raw beta inside its aligned 4-byte word
 };
 
-__device__ __forceinline__ EagerItem eager_lookup(const KdaParams& p, kda_u32 item) {
-    const kda_u32 per_seq = p.hv * p.vblocks;
-    const kda_u32 n = item / per_seq, rem = item % per_seq;
+// The sequence of an item.
+__device__ __forceinline__ kda_u32 eager_seq(const KdaParams& p, kda_u32 item) { return item / (p.hv * p.vblocks); }
+
+// An item from its index and its sequence's slot and token index (looked up beforehand).
+__device__ __forceinline__ EagerItem eager_item(const KdaParams& p, kda_u32 item, kda_u32 slot, kda_u32 tok) {
+    const kda_u32 rem = item % (p.hv * p.vblocks);
     EagerItem it;
     it.hv = (int)(rem / p.vblocks);
     it.cb = (int)(rem % p.vblocks) * ((int)(blockDim.x >> 5) * WC);
-    it.slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
-    it.tok = reinterpret_cast<const kda_u32*>(p.bounds)[n];
+    it.slot = slot;
+    it.tok = tok;
     it.beta_off = 0;
     return it;
+}
+
+// An item, its slot and token index loaded now (the loads are waited for here).
+__device__ __forceinline__ EagerItem eager_lookup(const KdaParams& p, kda_u32 item) {
+    const kda_u32 n = eager_seq(p, item);
+    return eager_item(p, item, reinterpret_cast<const kda_u32*>(p.slots)[n],
+                      reinterpret_cast<const kda_u32*>(p.bounds)[n]);
 }
 
 // The raw beta held at byte offset `off` of an aligned 4-byte word, as f32.
@@ -1120,16 +1147,26 @@ __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage&
     const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
     if constexpr (!VFIRST) {
         // cpr (chunks per tile row) divides blockDim.x (cw = warps x WC, WC x sizeof(ST) a
-        // power-of-two multiple of 16 <= 512): a thread copies chunk o of rows r0, r0 + step, ...
+        // power-of-two multiple of 16 <= 512), so a thread copies chunk o of the rows
+        // row0 + m STEP, STEP = blockDim.x / cpr = 512 / (WC sizeof(ST)) whatever the warps.
+        constexpr int STEP = 512 / (WC * (int)sizeof(ST));
+        constexpr int NR = (K + STEP - 1) / STEP;
         const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
-        const int o = (int)threadIdx.x % cpr, step = (int)blockDim.x / cpr;
+        const int o = (int)threadIdx.x % cpr, row0 = (int)threadIdx.x / cpr;
+        const int mask = (cpr & (cpr - 1)) ? 0 : cpr - 1; // kf_swizzle
         if (o < cprv) {
-            const unsigned char* src = reinterpret_cast<const unsigned char*>(head + it.cb) + 16 * o;
-            unsigned char* dst = st + L.tile + 16 * o;
-            const size_t rb = (size_t)cw * sizeof(ST), gb = (size_t)V * sizeof(ST);
-            // 16-byte chunk o of a row lands at chunk o ^ kf_swizzle(row) (tile_from_stage)
-            for (int row = (int)threadIdx.x / cpr; row < K; row += step)
-                cp_async16(dst + (size_t)row * rb + 16 * ((o ^ kf_swizzle(row, cpr)) - o), src + (size_t)row * gb);
+            const unsigned char* src =
+                reinterpret_cast<const unsigned char*>(head + (size_t)row0 * V + it.cb) + 16 * o;
+            const SmemAt dst(st + L.tile);
+            const kda_u32 rb = (kda_u32)cw * sizeof(ST), r0 = (kda_u32)row0;
+#pragma unroll
+            for (int m = 0; m < NR; ++m) {
+                const kda_u32 row = r0 + (kda_u32)(m * STEP);
+                // 16-byte chunk o of a row lands at chunk o ^ kf_swizzle(row) (tile_from_stage)
+                if (K % STEP == 0 || row < (kda_u32)K) // no branch where every row is whole
+                    cp_async16_at(dst, row * rb + 16u * ((kda_u32)o ^ ((row / TK) & (kda_u32)mask)),
+                                  src + (size_t)m * STEP * V * sizeof(ST));
+            }
         }
     } else {
         copy_chunks(st + L.tile, reinterpret_cast<const unsigned char*>(head + (size_t)it.cb * K),
@@ -1202,7 +1239,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
     const int S = p.stages == 3u ? 3 : 2;
     kda_u32 item = blockIdx.x;
     if (item >= total) return;
-    EagerItem nxt;
     kda_u32 issued = item; // the next item to issue
     // Two cp.async groups per item (inputs, tile), committed even when empty so the counts of
     // the waits below hold.
@@ -1217,7 +1253,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         cp_async_commit();
         issued += grid;
     }
-    if (issued < total) nxt = eager_lookup(p, issued);
+    // The slot and token index of the next item to issue: loaded by thread 0 one item ahead,
+    // published through shared memory at the end of an item (no thread waits on the loads).
+    __shared__ kda_u32 s_next[2];
+    if (threadIdx.x == 0 && issued < total) {
+        const kda_u32 n = eager_seq(p, issued);
+        s_next[0] = reinterpret_cast<const kda_u32*>(p.slots)[n];
+        s_next[1] = reinterpret_cast<const kda_u32*>(p.bounds)[n];
+    }
 
     for (int i = 0; item < total; item += grid, ++i) {
         const int stage = i % S;
@@ -1231,12 +1274,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         __syncthreads();
         const EagerItem me = s_items[stage];
         // Every warp is done with the previous item (this barrier), whose stage is refilled now.
+        kda_u32 next_slot = 0, next_tok = 0; // thread 0: the lookup of the item after it
         if (issued < total) {
             const int js = (i + S - 1) % S;
+            EagerItem nxt = eager_item(p, issued, s_next[0], s_next[1]);
             eager_issue(dsm + (size_t)js * L.bytes, L, p, nxt, cw);
             if (threadIdx.x == 0) s_items[js] = nxt;
             issued += grid;
-            if (issued < total) nxt = eager_lookup(p, issued);
+            if (threadIdx.x == 0 && issued < total) {
+                const kda_u32 n = eager_seq(p, issued);
+                next_slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+                next_tok = reinterpret_cast<const kda_u32*>(p.bounds)[n];
+            }
         } else {
             cp_async_commit();
         }
@@ -1286,7 +1335,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
             store_tile<false>(head, lk, col0, s, 0u, elem0);
         }
         // the copies into this stage are issued again only after the next iteration's first
-        // barrier, which every warp reaches after its reads of this stage.
+        // barrier, which every warp reaches after its reads of this stage; s_next was read by
+        // every thread before the barrier above.
+        if (threadIdx.x == 0) {
+            s_next[0] = next_slot;
+            s_next[1] = next_tok;
+        }
     }
     cp_async_wait<0>();
 }

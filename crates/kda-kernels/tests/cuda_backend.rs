@@ -339,6 +339,10 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
         (4, 2, Dtype::Fp16),
         (4, 3, Dtype::Fp32),
         (8, 3, Dtype::Fp32),
+        // whole heads of a 2-byte pool (the default for big calls)
+        (8, 3, Dtype::Fp16),
+        // 3 warps: rows of 6 chunks (no swizzle), a partial last column block
+        (3, 2, Dtype::Bf16),
     ] {
         cu.set_eager_warps(Some(warps)).expect("warps");
         cu.set_eager_stages(Some(stages)).expect("stages");

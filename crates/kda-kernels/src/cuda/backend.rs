@@ -17,7 +17,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
-use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding};
+use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding, StateLayout};
 
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT};
@@ -115,7 +115,16 @@ struct EagerShape {
     fixed_warps: Option<usize>,
     /// Pipeline stages asked for (2 or 3; `None`: the default).
     stages: Option<usize>,
+    /// Value heads of the call (sequences x value heads).
+    heads: usize,
+    /// Whether the pool is V-first.
+    v_first: bool,
 }
+
+/// Value heads of a call from which a 2-byte K-first pool decodes a whole head per CTA
+/// (8 warps at V = 128), so its tile is one contiguous block (H200 sweep, docs/performance.md:
+/// 4-7% faster from 2048 heads, within 2% slower below).
+const WHOLE_HEAD_FROM: usize = 2048;
 
 /// A launch of the pipelined eager kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,10 +165,12 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         return None;
     }
     let wph = e.v.div_ceil(wc);
+    // 2-byte K-first tiles: 3 stages, and whole heads for big calls (the H200 sweep of
+    // docs/performance.md); otherwise 4 warps and 2 stages (best or within 5% of best there)
+    let two_byte_kf = e.state_size == 2 && !e.v_first;
     let warps = match e.fixed_warps {
         Some(w) => w.min(wph),
-        // the widest CTA that still gives every SM at least one
-        // 4 warps measured best or within 5% of best on the H200 (docs/performance.md, call 3)
+        None if two_byte_kf && e.heads >= WHOLE_HEAD_FROM => wph.min(8),
         None => wph.min(4),
     };
     let cw = warps * wc;
@@ -169,7 +180,9 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         + r16(e.k * 4)
         + 16;
     let static_smem = (3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 16 + 3 * 32;
-    let stages = e.stages.unwrap_or(DEFAULT_EAGER_STAGES);
+    let stages = e
+        .stages
+        .unwrap_or(if two_byte_kf { 3 } else { DEFAULT_EAGER_STAGES });
     [stages, 2]
         .into_iter()
         .find(|&st| st * stage + static_smem <= e.smem_optin)
@@ -540,6 +553,8 @@ impl CudaBackend {
                 smem_optin: self.smem_optin,
                 fixed_warps: fixed_warps.map(|w| w as usize),
                 stages: *self.eager_stages.lock(),
+                heads: n * g.hv,
+                v_first: g.layout == StateLayout::VFirst,
             })
         } else {
             None
