@@ -657,22 +657,6 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let us = b.time(&mut s, kind, None)?;
                                 let bytes = sb + sb / l as f64 + eb * ((l + 1) as f64 / 2.0 + 1.0);
                                 b.record("decode", h, n, 1, l, state, layout, sets, us, bytes)?;
-                                // the chunked ring kernel, same run (opt-in)
-                                be.set_ring_chunked(Some(true)).map_err(kerr)?;
-                                let us = b.time(&mut s, kind, None)?;
-                                be.set_ring_chunked(None).map_err(kerr)?;
-                                b.record(
-                                    "decode-chunked",
-                                    h,
-                                    n,
-                                    1,
-                                    l,
-                                    state,
-                                    layout,
-                                    sets,
-                                    us,
-                                    bytes,
-                                )?;
                             }
                         }
                         Kind::Spec => {
@@ -696,21 +680,6 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let sets = s.batches.len();
                                 let bytes = sb * (1.0 + store_frac) + eb * (folded + t as f64);
                                 b.record("spec", h, n, t, l, state, layout, sets, us, bytes)?;
-                                be.set_ring_chunked(Some(true)).map_err(kerr)?;
-                                let us = b.time(&mut s, kind, Some(&acc_buf))?;
-                                be.set_ring_chunked(None).map_err(kerr)?;
-                                b.record(
-                                    "spec-chunked",
-                                    h,
-                                    n,
-                                    t,
-                                    l,
-                                    state,
-                                    layout,
-                                    sets,
-                                    us,
-                                    bytes,
-                                )?;
                             }
                         }
                         Kind::Replay => {

@@ -142,14 +142,6 @@ impl CudaBackend {
     pub fn set_eager_stages(&self, _stages: Option<u32>) -> Result<()> {
         match *self {}
     }
-    /// Chooses the kernel of calls over a ring (chunked or token by token).
-    pub fn set_ring_chunked(&self, _on: Option<bool>) -> Result<()> {
-        match *self {}
-    }
-    /// Caps the persistent CTAs of the chunked ring kernel.
-    pub fn set_ring_grid_cap(&self, _ctas: Option<u32>) -> Result<()> {
-        match *self {}
-    }
     /// Waits for all enqueued work.
     pub fn synchronize(&self) -> Result<()> {
         match *self {}

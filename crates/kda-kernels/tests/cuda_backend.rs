@@ -260,11 +260,6 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
             };
             let (d, exact) = compare_with_cpu(&cu, &c, 7, 12);
             eprintln!("{state} {layout:?} K=V=128 ring 4: outputs {d:.2e}, bit-exact state elements {:.1}%", exact * 100.0);
-            // the same through the chunked ring kernel
-            cu.set_ring_chunked(Some(true)).expect("kernel choice");
-            let (d, _) = compare_with_cpu(&cu, &c, 7, 14);
-            cu.set_ring_chunked(None).expect("kernel choice");
-            eprintln!("{state} {layout:?} K=V=128 ring 4, chunked kernel: outputs {d:.2e}");
         }
     }
 }
@@ -375,211 +370,6 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
     check_pipelined_eager_matches_blocked(&cu, &c, 3, 62);
 }
 
-/// Asserts that two byte planes are equal, naming the first differing byte.
-fn assert_bytes_eq(got: &[u8], want: &[u8], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        panic!("{what}: byte {i} differs: {} vs {}", got[i], want[i]);
-    }
-}
-
-/// The relative tolerance between the chunked and the token-by-token ring kernels: 1e-5 where
-/// everything is f32, else one rounding step of the coarsest stored type (relative, in norm).
-fn kernel_tolerance(case: &Case) -> f64 {
-    let mant = |d: Dtype| match d {
-        Dtype::Fp32 => 23,
-        Dtype::Fp16 => 10,
-        Dtype::Bf16 => 7,
-    };
-    let m = mant(case.state_dtype).min(mant(case.input_dtype));
-    if m == 23 {
-        1e-5
-    } else {
-        2f64.powi(-m)
-    }
-}
-
-/// Runs the same random decode-then-spec sequence (several ring cycles, spec_verify with
-/// random draft and accepted counts, a final replay) on two layers with the same initial
-/// bytes, one through the chunked ring kernel and one through the token-by-token kernel. The
-/// ring data and records must be equal byte for byte after every call (both copy the raw
-/// inputs), the outputs and states within `kernel_tolerance` (relative Frobenius). Returns the
-/// worst output and state differences.
-fn check_chunked_ring_matches_token_by_token(
-    cu: &CudaBackend,
-    case: &Case,
-    steps: usize,
-    seed: u64,
-) -> (f64, f64) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let init = initial_states(case, &mut rng);
-    let mut chunked = layer_with_states(cu, case, &init, &mut StdRng::seed_from_u64(seed ^ 1));
-    let mut serial = layer_with_states(cu, case, &init, &mut StdRng::seed_from_u64(seed ^ 1));
-    let mem = cu.memory();
-    let tol = kernel_tolerance(case);
-    let (mut worst_out, mut worst_state) = (0.0f64, 0.0f64);
-    let mut compare = |a: &TestLayer<_>, b: &TestLayer<_>, what: &str| {
-        let (x, y) = (
-            a.snapshot(mem).expect("snapshot"),
-            b.snapshot(mem).expect("snapshot"),
-        );
-        assert_bytes_eq(&x.ring, &y.ring, &format!("{what}: ring"));
-        assert_bytes_eq(&x.meta, &y.meta, &format!("{what}: meta"));
-        let sa = a.read_states(mem, &case.slots).expect("read");
-        let sb = b.read_states(mem, &case.slots).expect("read");
-        let d = rel_frobenius_f32(&sa, &sb);
-        assert!(
-            d <= tol,
-            "{what}: states differ by {d:.3e} (tolerance {tol:.1e})"
-        );
-        worst_state = worst_state.max(d);
-    };
-    compare(&chunked, &serial, "initial");
-    let n = case.slots.len();
-    let dims = case.dims();
-    let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);
-    let most = case.ring_len;
-    let mut drafts = vec![0u32; n];
-    for step in 0..steps {
-        // decode first (through several ring cycles), then spec_verify
-        let spec = step >= steps / 3;
-        let lens: Vec<usize> = (0..n)
-            .map(|_| if spec { rng.random_range(1..=most) } else { 1 })
-            .collect();
-        let acc: Vec<u32> = drafts.iter().map(|&d| rng.random_range(0..=d)).collect();
-        let mut bounds = vec![0usize];
-        for l in &lens {
-            bounds.push(bounds.last().copied().unwrap_or(0) + l);
-        }
-        let inputs = HostInputs::random(&mut rng, dims, bounds[n], &case.opts, case.input_dtype)
-            .with_gate_params(&params.a_log, &params.dt_bias);
-        let op = if spec {
-            TokenOp::SpecVerify(&acc)
-        } else {
-            TokenOp::Decode
-        };
-        let run = |layer: &mut TestLayer<_>, on: bool| {
-            cu.set_ring_chunked(Some(on)).expect("kernel choice");
-            run_tokens(cu, layer, op, &bounds, &case.slots, &inputs, &case.opts)
-                .expect("cuda ring call")
-        };
-        let o_chunked = run(&mut chunked, true);
-        let o_serial = run(&mut serial, false);
-        let d = rel_frobenius_f32(&o_chunked, &o_serial);
-        assert!(
-            d <= tol,
-            "step {step}: outputs differ by {d:.3e} (tolerance {tol:.1e})"
-        );
-        worst_out = worst_out.max(d);
-        compare(&chunked, &serial, &format!("step {step}"));
-        if spec {
-            drafts = lens.iter().map(|&l| l as u32).collect();
-        }
-    }
-    // a replay folding the pending entries and some accepted drafts
-    let acc: Vec<u32> = drafts.iter().map(|&d| rng.random_range(0..=d)).collect();
-    for (layer, on) in [(&mut chunked, true), (&mut serial, false)] {
-        cu.set_ring_chunked(Some(on)).expect("kernel choice");
-        run_replay(
-            cu,
-            layer,
-            &case.slots,
-            Some(&acc),
-            &case.opts,
-            &params.a_log,
-            &params.dt_bias,
-        )
-        .expect("cuda replay");
-    }
-    compare(&chunked, &serial, "replay");
-    cu.set_ring_chunked(None).expect("kernel choice");
-    (worst_out, worst_state)
-}
-
-#[test]
-fn cuda_chunked_ring_kernel_matches_the_token_by_token_kernel() {
-    let Some(cu) = cuda() else { return };
-    // 24 sequences, GVA 4 -> 8, K = V = 128: the bench's head size, scattered slots; some
-    // cases with a few persistent CTAs, so each loops over many items and prefetches the next
-    let n = 24;
-    let slots: Vec<u32> = (0..n as u32).map(|i| 3 * i + 2).collect();
-    for (state, input, layout, ring_len, rounding, grid) in [
-        (
-            Dtype::Fp32,
-            Dtype::Fp32,
-            StateLayout::KFirst,
-            8,
-            Rounding::Nearest,
-            Some(5),
-        ),
-        (
-            Dtype::Fp32,
-            Dtype::Bf16,
-            StateLayout::VFirst,
-            10,
-            Rounding::Nearest,
-            None,
-        ),
-        (
-            Dtype::Bf16,
-            Dtype::Bf16,
-            StateLayout::KFirst,
-            8,
-            Rounding::Nearest,
-            Some(5),
-        ),
-        (
-            Dtype::Fp16,
-            Dtype::Bf16,
-            StateLayout::VFirst,
-            5,
-            Rounding::Stochastic { seed: 0x5eed_1234 },
-            None,
-        ),
-        // a ring longer than one sub-chunk (8 tokens): the state advances inside a call
-        (
-            Dtype::Fp32,
-            Dtype::Fp32,
-            StateLayout::KFirst,
-            19,
-            Rounding::Nearest,
-            Some(3),
-        ),
-    ] {
-        let c = Case {
-            state_dtype: state,
-            input_dtype: input,
-            layout,
-            rounding,
-            ring_len,
-            ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
-        };
-        cu.set_ring_grid_cap(grid).expect("grid cap");
-        let (o, st) = check_chunked_ring_matches_token_by_token(&cu, &c, 24, 71 + ring_len as u64);
-        eprintln!("{state} state, {input} inputs, {layout:?}, ring {ring_len}, grid cap {grid:?}: outputs {o:.2e}, states {st:.2e}");
-    }
-    cu.set_ring_grid_cap(Some(2)).expect("grid cap");
-    // GVA, K != V, fp32 inputs, lower-bound gate
-    let mut c = case(
-        2,
-        6,
-        32,
-        48,
-        Dtype::Fp32,
-        Dtype::Fp32,
-        StateLayout::KFirst,
-        4,
-    );
-    c.opts.gate = GateMode::LowerBound(-3.0);
-    let (o, st) = check_chunked_ring_matches_token_by_token(&cu, &c, 24, 79);
-    eprintln!("K=32 V=48 GVA ring 4: outputs {o:.2e}, states {st:.2e}");
-    // odd head dims (the scalar load path), 2-byte inputs, a partial column block
-    let c = case(1, 3, 5, 7, Dtype::Fp32, Dtype::Fp16, StateLayout::VFirst, 3);
-    let (o, st) = check_chunked_ring_matches_token_by_token(&cu, &c, 24, 83);
-    eprintln!("K=5 V=7 ring 3: outputs {o:.2e}, states {st:.2e}");
-    cu.set_ring_grid_cap(None).expect("grid cap");
-}
-
 #[test]
 fn cuda_odd_head_dims_use_the_scalar_path_and_match_the_cpu() {
     let Some(cu) = cuda() else { return };
@@ -594,9 +384,6 @@ fn cuda_odd_head_dims_use_the_scalar_path_and_match_the_cpu() {
 #[test]
 fn cuda_ring_decode_is_bit_exact_with_cuda_eager_decode_for_an_fp32_pool() {
     let Some(cu) = cuda() else { return };
-    // the token-by-token ring kernel, whatever the default (the chunked one agrees within
-    // tolerance: see cuda_chunked_ring_kernel_matches_the_token_by_token_kernel)
-    cu.set_ring_chunked(Some(false)).expect("kernel choice");
     for (ring_len, layout) in [
         (1, StateLayout::KFirst),
         (3, StateLayout::VFirst),
@@ -621,9 +408,6 @@ fn cuda_ring_decode_is_bit_exact_with_cuda_eager_decode_for_an_fp32_pool() {
 #[test]
 fn cuda_long_spec_sequence_equals_eager_decode_of_the_accepted_tokens() {
     let Some(cu) = cuda() else { return };
-    // the token-by-token ring kernel, whatever the default (the chunked one agrees within
-    // tolerance: see cuda_chunked_ring_kernel_matches_the_token_by_token_kernel)
-    cu.set_ring_chunked(Some(false)).expect("kernel choice");
     for (ring_len, layout) in [
         (2, StateLayout::KFirst),
         (5, StateLayout::VFirst),
@@ -648,9 +432,6 @@ fn cuda_long_spec_sequence_equals_eager_decode_of_the_accepted_tokens() {
 #[test]
 fn cuda_two_byte_ring_rounds_once_per_commit_nearest_and_stochastic_bit_for_bit() {
     let Some(cu) = cuda() else { return };
-    // the token-by-token ring kernel, whatever the default (the chunked one agrees within
-    // tolerance: see cuda_chunked_ring_kernel_matches_the_token_by_token_kernel)
-    cu.set_ring_chunked(Some(false)).expect("kernel choice");
     for state in [Dtype::Fp16, Dtype::Bf16] {
         for (ring_len, rounding) in [
             (0, Rounding::Nearest),

@@ -21,7 +21,7 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding, StateLayout}
 
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT};
-use super::registry::{chunk_kernel, eager_kernel, step_kernel, StepKey};
+use super::registry::{eager_kernel, step_kernel, StepKey};
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
     TensorViewMut,
@@ -65,10 +65,6 @@ pub struct CudaBackend {
     eager_pipelined: Mutex<Option<bool>>,
     /// Pipeline stages of the pipelined eager kernel (`None`: the default).
     eager_stages: Mutex<Option<usize>>,
-    /// Whether calls over a ring use the chunked kernel (`None`: the default, no).
-    ring_chunked: Mutex<Option<bool>>,
-    /// At most this many persistent CTAs for the chunked ring kernel (`None`: as many as fit).
-    ring_grid_cap: Mutex<Option<u32>>,
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
     smem_optin: usize,
@@ -252,8 +248,6 @@ impl CudaBackend {
             eager_warps: Mutex::new(None),
             eager_pipelined: Mutex::new(None),
             eager_stages: Mutex::new(None),
-            ring_chunked: Mutex::new(None),
-            ring_grid_cap: Mutex::new(None),
             num_sms,
             smem_optin,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
@@ -281,27 +275,6 @@ impl CudaBackend {
     /// pipelined one wherever the shape allows it.
     pub fn set_eager_pipelined(&self, on: Option<bool>) -> Result<()> {
         *self.eager_pipelined.lock() = on;
-        Ok(())
-    }
-
-    /// Chooses the kernel of calls over a ring (`ring_len > 0`: decode, spec_verify, replay):
-    /// `Some(true)` the chunked kernel `kda_chunk`, which folds the pending entries and the new
-    /// tokens of a call from the unchanged start state (one K reduction per token, one state
-    /// update per call; fp32 results within 1e-5 of the token-by-token kernel, not bit-exact),
-    /// `Some(false)` or `None` (the default: measured faster on the H200, docs/performance.md)
-    /// the token-by-token kernel `kda_step` (bit-exact with eager decode for fp32 pools).
-    pub fn set_ring_chunked(&self, on: Option<bool>) -> Result<()> {
-        *self.ring_chunked.lock() = on;
-        Ok(())
-    }
-
-    /// Caps the persistent CTAs of the chunked ring kernel (at least 1; `None`: as many as
-    /// fit the device at once). Each CTA then loops over more items; for tests and tuning.
-    pub fn set_ring_grid_cap(&self, ctas: Option<u32>) -> Result<()> {
-        if ctas == Some(0) {
-            return Err(KernelError::arg("ctas", "is 0; expected at least 1"));
-        }
-        *self.ring_grid_cap.lock() = ctas;
         Ok(())
     }
 
@@ -576,21 +549,6 @@ impl CudaBackend {
                     .map_err(|e| device_err("kda_eager occupancy", e))?
                     .max(1) as usize;
                 (f, pl.smem, Some(per_sm * self.num_sms as usize))
-            }
-            None if ring && *self.ring_chunked.lock() == Some(true) => {
-                // persistent CTAs: as many as fit the SMs at once
-                let f = chunk_kernel(&self.ctx, key)?;
-                let threads = (warps_per_head.min(8) * 32) as u32;
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
-                    .map_err(|e| device_err("kda_chunk occupancy", e))?
-                    .max(1) as usize;
-                let fit = per_sm * self.num_sms as usize;
-                let cap = self
-                    .ring_grid_cap
-                    .lock()
-                    .map_or(fit, |c| fit.min(c as usize));
-                (f, 0, Some(cap))
             }
             None => (func, 0, None),
         };

@@ -33,7 +33,6 @@ pub(crate) struct StepKey {
 enum Key {
     Step(StepKey),
     Eager(StepKey),
-    Chunk(StepKey),
     Fill,
     Copy,
 }
@@ -151,7 +150,7 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
     }
     let one = |r: Result<Vec<CudaFunction>>| r.map(|mut v| v.remove(0));
     let f = match key {
-        Key::Step(k) | Key::Eager(k) | Key::Chunk(k) => {
+        Key::Step(k) | Key::Eager(k) => {
             let name = format!(
                 "kda_decode_{}_{}_{}_k{}_v{}.cu",
                 k.state.name(),
@@ -160,14 +159,9 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
                 k.k,
                 k.v
             );
-            // one module holds the three kernels of a key
-            let fs = compile(
-                ctx,
-                &step_source(&k),
-                &name,
-                &["kda_step", "kda_eager", "kda_chunk"],
-            )?;
-            let keys = [Key::Step(k), Key::Eager(k), Key::Chunk(k)];
+            // one module holds both kernels of a key
+            let fs = compile(ctx, &step_source(&k), &name, &["kda_step", "kda_eager"])?;
+            let keys = [Key::Step(k), Key::Eager(k)];
             for (kk, f) in keys.iter().zip(&fs) {
                 map.insert((ctx.ordinal(), *kk), f.clone());
             }
@@ -200,12 +194,6 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 /// `kda_step`), compiled on first use.
 pub(crate) fn eager_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
     get(ctx, Key::Eager(key))
-}
-
-/// The chunked ring kernel `kda_chunk` specialised on `key` (same module as `kda_step`),
-/// compiled on first use.
-pub(crate) fn chunk_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
-    get(ctx, Key::Chunk(key))
 }
 
 /// The `kda_fill` kernel.
