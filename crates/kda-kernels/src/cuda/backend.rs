@@ -115,6 +115,8 @@ struct EagerShape {
     heads: usize,
     /// Whether the pool is V-first.
     v_first: bool,
+    /// Multiprocessors of the device.
+    num_sms: usize,
 }
 
 /// Value heads of a call from which a 2-byte K-first pool decodes a whole head per CTA
@@ -164,9 +166,13 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     // 2-byte K-first tiles: 3 stages, and whole heads for big calls (the H200 sweep of
     // docs/performance.md); otherwise 4 warps and 2 stages (best or within 5% of best there)
     let two_byte_kf = e.state_size == 2 && !e.v_first;
+    // fp32 pools with fewer 4-warp CTAs than SMs (N = 1): 2 warps, twice the CTAs (the H200
+    // sweep: 4.05 against 4.33 us at H = 12, N = 1; 2-byte pools stay at 4 warps there)
+    let few = e.heads * wph.div_ceil(4) < e.num_sms;
     let warps = match e.fixed_warps {
         Some(w) => w.min(wph),
         None if two_byte_kf && e.heads >= WHOLE_HEAD_FROM => wph.min(8),
+        None if e.state_size == 4 && few => wph.min(2),
         None => wph.min(4),
     };
     let cw = warps * wc;
@@ -528,6 +534,7 @@ impl CudaBackend {
                 stages: *self.eager_stages.lock(),
                 heads: n * g.hv,
                 v_first: g.layout == StateLayout::VFirst,
+                num_sms: self.num_sms as usize,
             })
         } else {
             None
@@ -800,5 +807,66 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let call = Call::replay(batch, accepted, opts, a_log, dt_bias);
         self.run(call, layer, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The H200's limits: 132 SMs, 227 KiB of opt-in shared memory per CTA.
+    fn shape(state_size: usize, heads: usize, v_first: bool) -> EagerShape {
+        EagerShape {
+            k: 128,
+            v: 128,
+            state_size,
+            input_size: 2,
+            smem_optin: 232_448,
+            fixed_warps: None,
+            stages: None,
+            heads,
+            v_first,
+            num_sms: 132,
+        }
+    }
+
+    fn plan(e: &EagerShape) -> (usize, usize, usize) {
+        let p = eager_plan(e).expect("K = V = 128 takes the pipelined kernel");
+        (p.warps, p.vblocks, p.stages)
+    }
+
+    #[test]
+    fn eager_plan_defaults_follow_the_measured_sweep() {
+        // fp32, N = 1 at H = 12: 2 warps (48 CTAs) rather than 4 (24 CTAs)
+        assert_eq!(plan(&shape(4, 12, false)), (2, 4, 2));
+        // fp32, many heads: 4 warps, 2 stages
+        assert_eq!(plan(&shape(4, 768, false)), (4, 2, 2));
+        // 2-byte K-first: 3 stages; whole heads (8 warps) from 2048 heads
+        assert_eq!(plan(&shape(2, 768, false)), (4, 2, 3));
+        assert_eq!(plan(&shape(2, 2048, false)), (8, 1, 3));
+        // 2-byte V-first: 4 warps, 2 stages whatever the size
+        assert_eq!(plan(&shape(2, 3072, true)), (4, 2, 2));
+    }
+
+    #[test]
+    fn eager_plan_honours_fixed_warps_and_stages_and_falls_back_to_two_stages() {
+        let mut e = shape(4, 768, false);
+        e.fixed_warps = Some(8);
+        e.stages = Some(3);
+        assert_eq!(plan(&e), (8, 1, 3));
+        // a device with 150 KB per CTA: 3 stages of a whole fp32 head (3 x 65 KiB) do not
+        // fit, 2 do
+        e.smem_optin = 150_000;
+        assert_eq!(plan(&e), (8, 1, 2));
+        e.fixed_warps = Some(3);
+        assert_eq!(plan(&e), (3, 3, 3));
+    }
+
+    #[test]
+    fn eager_plan_refuses_shapes_without_whole_16_byte_copies() {
+        let mut e = shape(4, 12, false);
+        e.k = 5;
+        e.v = 7;
+        assert!(eager_plan(&e).is_none());
     }
 }
