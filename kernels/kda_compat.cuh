@@ -24,6 +24,7 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) { return __float2
 // Warp-level code here works on groups of 32 lanes; `width` keeps wave64 shuffles inside one.
 #define KDA_SHFL_XOR(x, m) __shfl_xor((x), (m), 32)
 #define KDA_SYNCWARP() __builtin_amdgcn_wave_barrier()
+#define KDA_PREFETCH_L2(ptr) ((void)(ptr))
 #else
 struct __align__(2) kda_half {
     unsigned short bits;
@@ -64,4 +65,6 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) {
 #define KDA_BF16_BITS(h) ((h).bits)
 #define KDA_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
 #define KDA_SYNCWARP() __syncwarp()
+// A hint: fetch the 128-byte line holding ptr into L2 (no register, no wait).
+#define KDA_PREFETCH_L2(ptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr))
 #endif

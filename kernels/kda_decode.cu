@@ -558,6 +558,69 @@ __device__ __forceinline__ void ring_finish(const KdaParams& p, const Plan& pl, 
     }
 }
 
+// Prefetches into L2 the lines of [ptr, ptr + bytes), the lanes of a warp striding lines.
+__device__ __forceinline__ void prefetch_range(const void* ptr, size_t bytes, int lane) {
+    if (bytes == 0) return;
+    const kda_u64 first = reinterpret_cast<kda_u64>(ptr) & ~(kda_u64)127;
+    const kda_u64 last = (reinterpret_cast<kda_u64>(ptr) + bytes - 1) & ~(kda_u64)127;
+    for (kda_u64 a = first + (kda_u64)lane * 128; a <= last; a += 32 * 128)
+        KDA_PREFETCH_L2(reinterpret_cast<const void*>(a));
+}
+
+// A hint to L2 for what the first prepass of a CTA reads: the unit's rows (key of its q/k head,
+// values, gates and betas of its value heads) of ring entries 0..min(ring_len, TC), and the first
+// TC new tokens' inputs. One warp per row; no wait, no register.
+__device__ __forceinline__ void prefetch_prepass(const KdaParams& p, kda_u32 slot, kda_u32 unit, kda_u32 bos,
+                                                 kda_u32 nnew) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const size_t hpc = p.heads_per_cta, hv0 = (size_t)unit * hpc;
+    const size_t h = hv0 / (p.hv / p.h);
+    const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+    const int ents = (int)min(p.ring_len, (kda_u32)TC), toks = (int)min(nnew, (kda_u32)TC);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    for (int sg = warp; sg < 4 * ents + 5 * toks; sg += nwarps) {
+        const IT* ptr;
+        size_t len;
+        if (sg < 4 * ents) {
+            const IT* e = ring + (size_t)(sg / 4) * entry;
+            const int part = sg % 4;
+            if (part == 0) {
+                ptr = e + h * K;
+                len = K;
+            } else if (part == 1) {
+                ptr = e + (size_t)p.h * K + hv0 * V;
+                len = hpc * V;
+            } else if (part == 2) {
+                ptr = e + (size_t)p.h * K + (size_t)p.hv * V + hv0 * K;
+                len = hpc * K;
+            } else {
+                ptr = e + (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv0;
+                len = hpc;
+            }
+        } else {
+            const int x = sg - 4 * ents, part = x % 5;
+            const size_t tok = bos + (size_t)(x / 5);
+            if (part == 0) {
+                ptr = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
+                len = K;
+            } else if (part == 1) {
+                ptr = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
+                len = K;
+            } else if (part == 2) {
+                ptr = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv0) * V;
+                len = hpc * V;
+            } else if (part == 3) {
+                ptr = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv0) * K;
+                len = hpc * K;
+            } else {
+                ptr = reinterpret_cast<const IT*>(p.beta) + tok * p.hv + hv0;
+                len = hpc;
+            }
+        }
+        prefetch_range(ptr, len * sizeof(IT), lane);
+    }
+}
+
 } // namespace kda
 
 using namespace kda;
@@ -579,6 +642,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
     kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
     kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
     const bool first_cta = unit == 0 && vb == 0;
+    const int hpc = (int)p.heads_per_cta;
+    const int cc = nwarps * WC; // columns per chunk
+
+    // Before the plan is known (it waits on the ring record): the first tile's loads, and an L2
+    // prefetch of everything the prepass reads (the unit's rows of the first TC ring entries,
+    // the new tokens' inputs), so the chain record -> inputs -> steps pays one memory latency
+    // less. Both are needed unless the sequence has no work at all.
+    float s[TK][TV];
+    {
+        const ST* head0 = reinterpret_cast<const ST*>(p.ssm) + ((size_t)slot * p.hv + (size_t)unit * hpc) * ((size_t)K * V);
+        load_tile(head0, lk, (int)vb * cc + warp * WC + lv * TV, s);
+        prefetch_prepass(p, slot, unit, bos, nnew);
+    }
+    bool first = true;
 
     if (threadIdx.x == 0) s_plan = make_plan(p, n, slot, nnew, meta, err, first_cta);
     __syncthreads();
@@ -587,9 +664,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
     const bool work = nnew > 0 || pl.store_after != KDA_NONE;
 
     if (work) {
-        const int hpc = (int)p.heads_per_cta;
         const int group = (int)(p.hv / p.h);
-        const int cc = nwarps * WC; // columns per chunk
         const int nchunks = (V + cc - 1) / cc;
         const kda_u32 sr_base =
             p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, p.epoch) : 0u;
@@ -603,8 +678,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
                 const int cbeg = chunk * cc;
                 const int cend = min(cbeg + cc, VS);
                 const int col0 = cbeg + warp * WC + lv * TV;
-                float s[TK][TV];
-                load_tile(head, lk, col0, s);
+                if (!first) load_tile(head, lk, col0, s);
+                first = false;
                 for (int t0 = 0; t0 < ntok; t0 += TC) {
                     const int tc = min(TC, ntok - t0);
                     __syncthreads();
