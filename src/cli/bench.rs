@@ -589,39 +589,21 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     enqueue(&be, &mut s, kind, set, None)?;
                                 }
                                 let (sb, sets) = (s.state_bytes(), s.batches.len());
+                                // one row of this eager case (state read and written once)
+                                let row = |b: &mut Bench, op: &str, us: f64| {
+                                    b.record(op, h, n, 1, 0, state, layout, sets, us, 2.0 * sb)
+                                };
                                 let us = b.time(&mut s, kind, None)?;
-                                b.record("decode", h, n, 1, 0, state, layout, sets, us, 2.0 * sb)?;
+                                row(&mut b, "decode", us)?;
                                 // the one-item-per-CTA kernel, same run (before/after)
                                 be.set_eager_pipelined(Some(false)).map_err(kerr)?;
                                 let us = b.time(&mut s, kind, None)?;
                                 be.set_eager_pipelined(None).map_err(kerr)?;
-                                b.record(
-                                    "decode-blocked",
-                                    h,
-                                    n,
-                                    1,
-                                    0,
-                                    state,
-                                    layout,
-                                    sets,
-                                    us,
-                                    2.0 * sb,
-                                )?;
+                                row(&mut b, "decode-blocked", us)?;
                                 for &w in &warps {
                                     be.set_eager_warps(Some(w)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;
-                                    b.record(
-                                        &format!("decode-w{w}"),
-                                        h,
-                                        n,
-                                        1,
-                                        0,
-                                        state,
-                                        layout,
-                                        sets,
-                                        us,
-                                        2.0 * sb,
-                                    )?;
+                                    row(&mut b, &format!("decode-w{w}"), us)?;
                                 }
                                 be.set_eager_warps(None).map_err(kerr)?;
                                 for &st in &stages {
@@ -629,18 +611,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     for &w in &warps {
                                         be.set_eager_warps(Some(w)).map_err(kerr)?;
                                         let us = b.time(&mut s, kind, None)?;
-                                        b.record(
-                                            &format!("decode-s{st}w{w}"),
-                                            h,
-                                            n,
-                                            1,
-                                            0,
-                                            state,
-                                            layout,
-                                            sets,
-                                            us,
-                                            2.0 * sb,
-                                        )?;
+                                        row(&mut b, &format!("decode-s{st}w{w}"), us)?;
                                     }
                                     be.set_eager_warps(None).map_err(kerr)?;
                                 }
