@@ -161,12 +161,13 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
             );
             // one module holds both kernels of a key
             let fs = compile(ctx, &step_source(&k), &name, &["kda_step", "kda_eager"])?;
-            let keys = [Key::Step(k), Key::Eager(k)];
-            for (kk, f) in keys.iter().zip(&fs) {
-                map.insert((ctx.ordinal(), *kk), f.clone());
-            }
-            let at = keys.iter().position(|kk| *kk == key).unwrap_or(0);
-            return Ok(fs[at].clone());
+            map.insert((ctx.ordinal(), Key::Step(k)), fs[0].clone());
+            map.insert((ctx.ordinal(), Key::Eager(k)), fs[1].clone());
+            return Ok(if matches!(key, Key::Step(_)) {
+                fs[0].clone()
+            } else {
+                fs[1].clone()
+            });
         }
         Key::Fill => one(compile(
             ctx,
