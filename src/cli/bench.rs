@@ -303,7 +303,7 @@ fn enqueue(
     kind: Kind,
     set: usize,
     acc: Option<&CudaBuffer>,
-) -> Result<(), CliError> {
+) -> Result<(), kda_kernels::KernelError> {
     let out_len = s.inputs.tokens * s.geometry.hv * KD;
     let o = opts();
     let Setup {
@@ -317,7 +317,7 @@ fn enqueue(
     let mut layer = planes.view(geometry);
     let batch = &batches[set];
     let accepted = acc.map(|buf| IndexView { buf, len: n });
-    let r = match kind {
+    match kind {
         Kind::Decode | Kind::Spec => {
             let mut out = TensorViewMut {
                 buf: out,
@@ -340,8 +340,7 @@ fn enqueue(
             Some(&inputs.dt_bias_view()),
             &mut layer,
         ),
-    };
-    r.map_err(kerr)
+    }
 }
 
 /// The ring's steady state over `calls` spec_verify calls of `t` drafts with accepted counts
@@ -389,12 +388,7 @@ impl Bench<'_> {
         let graph = be
             .capture(|| {
                 for set in 0..sets {
-                    enqueue(be, s, kind, set, acc).map_err(|e| {
-                        kda_kernels::KernelError::Device {
-                            backend: "cuda",
-                            msg: e.to_string(),
-                        }
-                    })?;
+                    enqueue(be, s, kind, set, acc)?;
                 }
                 Ok(())
             })
@@ -586,7 +580,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 // eager
                                 let mut s = setup(&be, h, n, 1, 0, state, layout)?;
                                 for set in 0..s.batches.len() {
-                                    enqueue(&be, &mut s, kind, set, None)?;
+                                    enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
                                 let (sb, sets) = (s.state_bytes(), s.batches.len());
                                 // one row of this eager case (state read and written once)
@@ -621,7 +615,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let l = args.ring;
                                 let mut s = setup(&be, h, n, 1, l, state, layout)?;
                                 for set in 0..s.batches.len() {
-                                    enqueue(&be, &mut s, kind, set, None)?;
+                                    enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
                                 let (sb, eb) = (s.state_bytes(), s.entry_bytes());
                                 let sets = s.batches.len();
@@ -642,7 +636,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     (0..n).map(|i| 1 + (i * 7 % t) as u32).collect();
                                 let acc_buf = be.memory().upload_slice(&acc).map_err(perr)?;
                                 for set in 0..s.batches.len() {
-                                    enqueue(&be, &mut s, kind, set, Some(&zeros))?;
+                                    enqueue(&be, &mut s, kind, set, Some(&zeros)).map_err(kerr)?;
                                 }
                                 be.check_device_errors().map_err(kerr)?;
                                 let us = b.time(&mut s, kind, Some(&acc_buf))?;
@@ -670,19 +664,14 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     };
                                 reset(&mut s).map_err(kerr)?;
                                 for set in 0..s.batches.len() {
-                                    enqueue(&be, &mut s, kind, set, None)?;
+                                    enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
                                 let sets = s.batches.len();
                                 let g_both = be
                                     .capture(|| {
                                         for set in 0..sets {
                                             reset(&mut s)?;
-                                            enqueue(&be, &mut s, kind, set, None).map_err(|e| {
-                                                kda_kernels::KernelError::Device {
-                                                    backend: "cuda",
-                                                    msg: e.to_string(),
-                                                }
-                                            })?;
+                                            enqueue(&be, &mut s, kind, set, None)?;
                                         }
                                         Ok(())
                                     })
