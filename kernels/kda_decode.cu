@@ -777,9 +777,8 @@ __host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
 // rows TK apart (lk); rows whose length is a multiple of 128 bytes would put all of them on the
 // same banks, the swizzle spreads them over the row. Only where cpr (chunks per row) is a power
 // of two (else no swizzle), so that o ^ kf_swizzle stays inside the row.
-__device__ __forceinline__ int kf_swizzle(int row, int cpr) {
-    return (cpr & (cpr - 1)) ? 0 : (row / TK) & (cpr - 1);
-}
+__device__ __forceinline__ kda_u32 kf_swizzle_mask(int cpr) { return (cpr & (cpr - 1)) ? 0u : (kda_u32)(cpr - 1); }
+__device__ __forceinline__ kda_u32 kf_swizzle(kda_u32 row, kda_u32 mask) { return (row / TK) & mask; }
 
 // Byte offsets inside one stage: the tile (K-first [K][cw], V-first [cw][K]), then the raw
 // q, k, g rows ([K] each) and v ([cw]) of the input type, dt_bias ([K] f32), then 16 bytes of
@@ -887,7 +886,7 @@ __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage&
         constexpr int NR = (K + STEP - 1) / STEP;
         const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
         const int o = (int)threadIdx.x % cpr, row0 = (int)threadIdx.x / cpr;
-        const int mask = (cpr & (cpr - 1)) ? 0 : cpr - 1; // kf_swizzle
+        const kda_u32 mask = kf_swizzle_mask(cpr);
         if (o < cprv) {
             const unsigned char* src =
                 reinterpret_cast<const unsigned char*>(head + (size_t)row0 * V + it.cb) + 16 * o;
@@ -898,7 +897,7 @@ __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage&
                 const kda_u32 row = r0 + (kda_u32)(m * STEP);
                 // 16-byte chunk o of a row lands at chunk o ^ kf_swizzle(row) (tile_from_stage)
                 if (K % STEP == 0 || row < (kda_u32)K) // no branch where every row is whole
-                    cp_async16_at(dst, row * rb + 16u * ((kda_u32)o ^ ((row / TK) & (kda_u32)mask)),
+                    cp_async16_at(dst, row * rb + 16u * ((kda_u32)o ^ kf_swizzle(row, mask)),
                                   src + (size_t)m * STEP * V * sizeof(ST));
             }
         }
@@ -918,7 +917,7 @@ __device__ __forceinline__ void tile_from_stage(const ST* t, int lk, int col0l, 
         // 16-byte chunk
         const int cpr = cw * (int)sizeof(ST) / 16;
         const int byte0 = col0l * (int)sizeof(ST);
-        const int colsw = ((((byte0 >> 4) ^ kf_swizzle(row_of(lk, 0), cpr)) << 4) | (byte0 & 15)) / (int)sizeof(ST);
+        const int colsw = ((((byte0 >> 4) ^ (int)kf_swizzle(row_of(lk, 0), kf_swizzle_mask(cpr))) << 4) | (byte0 & 15)) / (int)sizeof(ST);
 #pragma unroll
         for (int r = 0; r < TK; ++r) {
             const int kr = row_of(lk, r);
