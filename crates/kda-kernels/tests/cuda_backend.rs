@@ -18,8 +18,8 @@ use kda_kernels::testing::{
     assert_bits_eq, assert_refused, batch_plan, check_rejects_bad_input,
     check_ring_decode_matches_eager, check_ring_rounds_once_per_commit,
     check_spec_verify_matches_eager, initial_states, layer_with_states, rel_frobenius_f32,
-    run_replay, run_tokens, upload, upload_bytes, Case, DeviceInputs, HostInputs, TestLayer,
-    TokenOp,
+    run_replay, run_tokens, twin_layers, upload, upload_bytes, Case, DeviceInputs, HostInputs,
+    TestLayer, TokenOp,
 };
 use kda_kernels::{Backend, CpuBackend, GateMode, IndexView, KernelError, TensorViewMut};
 use rand::rngs::StdRng;
@@ -269,9 +269,7 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
 /// outputs and states after every step.
 fn check_pipelined_eager_matches_blocked(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let init = initial_states(case, &mut rng);
-    let mut piped = layer_with_states(cu, case, &init, &mut StdRng::seed_from_u64(seed ^ 1));
-    let mut blocked = layer_with_states(cu, case, &init, &mut StdRng::seed_from_u64(seed ^ 2));
+    let (mut piped, mut blocked) = twin_layers(cu, case, case, &mut rng);
     let n = case.slots.len();
     let dims = case.dims();
     let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);

@@ -55,6 +55,20 @@ pub fn initial_states(case: &Case, rng: &mut StdRng) -> Vec<f32> {
     random_states(rng, case.dims(), case.slots.len(), case.state_dtype)
 }
 
+/// Two fresh layers, of `a` and of `b` (the same slots and dims, pools that may differ), holding
+/// the same random initial states of `a`'s state dtype: the two sides of a comparison.
+pub fn twin_layers<B: Backend>(
+    be: &B,
+    a: &Case,
+    b: &Case,
+    rng: &mut StdRng,
+) -> (TestLayer<Buf<B>>, TestLayer<Buf<B>>) {
+    let init = initial_states(a, rng);
+    let la = layer_with_states(be, a, &init, rng);
+    let lb = layer_with_states(be, b, &init, rng);
+    (la, lb)
+}
+
 /// Asserts that two f32 tensors have the same bits.
 pub fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
@@ -139,9 +153,7 @@ pub fn check_prefill_in_two_pieces_matches_one<B: Backend>(
 ) -> (f64, f64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mem = be.memory();
-    let init = initial_states(case, &mut rng);
-    let mut whole = layer_with_states(be, case, &init, &mut rng);
-    let mut pieces = layer_with_states(be, case, &init, &mut rng);
+    let (mut whole, mut pieces) = twin_layers(be, case, case, &mut rng);
     let t = case.num_tokens();
     let inputs = HostInputs::random(&mut rng, case.dims(), t, &case.opts, case.input_dtype);
     let bounds = case.bounds();
@@ -217,9 +229,7 @@ pub fn check_prefill_in_two_pieces_matches_one<B: Backend>(
 pub fn check_decode_matches_prefill<B: Backend>(be: &B, case: &Case, seed: u64) -> (f64, f64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mem = be.memory();
-    let init = initial_states(case, &mut rng);
-    let mut pre = layer_with_states(be, case, &init, &mut rng);
-    let mut dec = layer_with_states(be, case, &init, &mut rng);
+    let (mut pre, mut dec) = twin_layers(be, case, case, &mut rng);
     let t = case.num_tokens();
     let inputs = HostInputs::random(&mut rng, case.dims(), t, &case.opts, case.input_dtype);
     let bounds = case.bounds();
@@ -305,10 +315,7 @@ fn ring_and_eager_layers<B: Backend>(
         ring_len: 0,
         ..case.clone()
     };
-    let init = initial_states(case, rng);
-    let ring = layer_with_states(be, case, &init, rng);
-    let eager = layer_with_states(be, &eager_case, &init, rng);
-    (ring, eager)
+    twin_layers(be, case, &eager_case, rng)
 }
 
 /// For an fp32 pool: decode through the case's ring (`ring_len > 0`) equals eager decode bit
@@ -557,9 +564,7 @@ pub fn check_ring_rounds_once_per_commit<B: Backend>(
         rounding: Rounding::Nearest,
         ..case.clone()
     };
-    let init = initial_states(case, &mut rng);
-    let mut pool = layer_with_states(be, case, &init, &mut rng);
-    let mut emu = layer_with_states(be, &emu_case, &init, &mut rng);
+    let (mut pool, mut emu) = twin_layers(be, case, &emu_case, &mut rng);
     let n = case.slots.len();
     let ones = bounds_of(&vec![1; n]);
     let params = HostInputs::random(&mut rng, case.dims(), 0, &case.opts, case.input_dtype);
