@@ -62,6 +62,10 @@ struct KdaParams {
     kda_u32 units;                   // CTA units per sequence (H with a ring, else HV)
     kda_u32 vblocks;                 // CTAs per unit along V (1 with a ring)
     kda_u32 stages;                  // kda_eager: pipeline stages (2 or 3)
+    kda_u32 ring_mt;                 // kda_ring: token rows per stage (ring_len + most new tokens)
+    kda_u32 ring_pmax;               // kda_ring: most projections of an item, rounded up to 4
+    kda_u32 ring_gran;               // kda_ring: bytes per cp.async of token rows (4, 8 or 16)
+    kda_u32 ring_mq;                 // kda_ring: most new tokens of a sequence
 };
 
 #define KDA_OP_DECODE 0u
@@ -460,11 +464,12 @@ __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan
 }
 
 
-// The plan of sequence n, decided by thread 0 of each CTA: the pending entries folded first,
-// where the state is stored and where the new tokens go; records bad ring records and
-// accepted counts in the error word (first CTA of the slot only).
-__device__ __forceinline__ Plan make_plan(const KdaParams& p, kda_u32 n, kda_u32 slot, kda_u32 nnew,
-                                         const kda_u32* meta, kda_u32* err, bool first_cta) {
+// The plan of sequence n from its ring record (len, pending) and raw accepted count (already
+// loaded): the pending entries folded first, where the state is stored and where the new tokens
+// go; records bad ring records and accepted counts in the error word (first CTA or item of the
+// slot only).
+__device__ __forceinline__ Plan plan_from(const KdaParams& p, kda_u32 slot, kda_u32 nnew, kda_u32 len,
+                                          kda_u32 pending, kda_u32 acc, kda_u32* err, bool first_cta) {
     Plan pl;
     pl.append_at = KDA_NONE;
     pl.new_len = pl.new_pending = 0;
@@ -472,8 +477,6 @@ __device__ __forceinline__ Plan make_plan(const KdaParams& p, kda_u32 n, kda_u32
         pl.pend = 0;
         pl.store_after = (p.op == KDA_OP_DECODE && nnew > 0) ? nnew : KDA_NONE;
     } else {
-        const volatile kda_u32* vm = meta;
-        kda_u32 len = vm[0], pending = vm[1];
         kda_u32 flags = 0;
         if (len > p.ring_len || pending > len) {
             flags |= KDA_ERR_META;
@@ -481,7 +484,6 @@ __device__ __forceinline__ Plan make_plan(const KdaParams& p, kda_u32 n, kda_u32
             pending = min(pending, len);
         }
         const kda_u32 drafts = len - pending;
-        kda_u32 acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
         if (p.op == KDA_OP_DECODE) {
             acc = 0;
             if (drafts > 0) flags |= KDA_ERR_DECODE_DRAFTS;
@@ -511,6 +513,20 @@ __device__ __forceinline__ Plan make_plan(const KdaParams& p, kda_u32 n, kda_u32
     }
     if (pl.store_after != KDA_NONE && first_cta) atomicOr(err + 2, 1u);
     return pl;
+}
+
+// The plan of sequence n, decided by thread 0 of each CTA (reads the ring record and the
+// accepted count, then plan_from).
+__device__ __forceinline__ Plan make_plan(const KdaParams& p, kda_u32 n, kda_u32 slot, kda_u32 nnew,
+                                         const kda_u32* meta, kda_u32* err, bool first_cta) {
+    kda_u32 len = 0, pending = 0, acc = 0;
+    if (p.ring_len > 0) {
+        const volatile kda_u32* vm = meta;
+        len = vm[0];
+        pending = vm[1];
+        acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
+    }
+    return plan_from(p, slot, nnew, len, pending, acc, err, first_cta);
 }
 
 // The end of a CTA of a ring call: appends the new tokens' raw inputs of the CTA's unit (its

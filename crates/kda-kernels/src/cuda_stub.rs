@@ -138,6 +138,10 @@ impl CudaBackend {
     pub fn set_eager_pipelined(&self, _on: Option<bool>) -> Result<()> {
         match *self {}
     }
+    /// Chooses the kernel of calls with a ring (pipelined chunked or token by token).
+    pub fn set_ring_pipelined(&self, _on: Option<bool>) -> Result<()> {
+        match *self {}
+    }
     /// Fixes the pipeline stages of the pipelined eager kernel.
     pub fn set_eager_stages(&self, _stages: Option<u32>) -> Result<()> {
         match *self {}

@@ -21,7 +21,7 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding, StateLayout}
 
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT};
-use super::registry::{eager_kernel, step_kernel, StepKey};
+use super::registry::{eager_kernel, ring_kernel, step_kernel, StepKey};
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
     TensorViewMut,
@@ -65,6 +65,8 @@ pub struct CudaBackend {
     eager_pipelined: Mutex<Option<bool>>,
     /// Pipeline stages of the pipelined eager kernel (`None`: the default).
     eager_stages: Mutex<Option<usize>>,
+    /// Whether calls with a ring use the pipelined chunked kernel (`None`: wherever it fits).
+    ring_pipelined: Mutex<Option<bool>>,
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
     smem_optin: usize,
@@ -196,6 +198,93 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         })
 }
 
+/// What decides whether and how the pipelined chunked ring kernel (`kda_ring`) runs.
+struct RingShape {
+    k: usize,
+    v: usize,
+    h: usize,
+    hv: usize,
+    state_size: usize,
+    input_size: usize,
+    ring_len: usize,
+    /// Most new tokens of one sequence in the call.
+    max_new: usize,
+    v_first: bool,
+    smem_optin: usize,
+}
+
+/// A launch of `kda_ring`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RingPlan {
+    /// Token rows per stage (ring length + most new tokens).
+    mt: usize,
+    /// Most new tokens of one sequence.
+    mq: usize,
+    /// Most projections of one item (`mt` + `mq`), rounded up to 4.
+    pmax: usize,
+    /// Bytes per asynchronous copy of a token row (4, 8 or 16).
+    gran: usize,
+    /// Column blocks per value head.
+    vblocks: usize,
+    /// Dynamic shared memory, bytes.
+    smem: usize,
+}
+
+/// Threads of a `kda_ring` CTA (`RT` in `kernels/kda_ring.cu`).
+const RING_THREADS: usize = 128;
+/// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
+const RING_MAX_TOKENS: usize = 16;
+
+/// The launch of `kda_ring`, or `None` where the shape does not fit it (V-first pools, rows
+/// that are not whole 4-byte copies, too many tokens per item, too much shared memory): then
+/// `kda_step` runs. Mirrors `RingLayout` and the constants of `kernels/kda_ring.cu`.
+fn ring_plan(s: &RingShape) -> Option<RingPlan> {
+    let r16 = |x: usize| x.div_ceil(16) * 16;
+    // an item: one 128-byte row of the tile, two columns per thread
+    let cw = 128 / s.state_size;
+    let segs = RING_THREADS / (cw / 2);
+    let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
+    let pmax = (mt + mq).next_multiple_of(4);
+    if s.v_first
+        || s.ring_len == 0
+        || !s.k.is_multiple_of(4 * segs)
+        || !(s.v * s.state_size).is_multiple_of(16)
+        || mt > RING_MAX_TOKENS
+    {
+        return None;
+    }
+    let isz = s.input_size;
+    let entry = (s.h * s.k + s.hv * s.v + s.hv * s.k + s.hv) * isz;
+    let gran = [entry, s.k * isz, s.v * isz, cw * isz]
+        .iter()
+        .fold(16usize, |g, &q| {
+            let mut g = g;
+            while g > 1 && !q.is_multiple_of(g) {
+                g /= 2;
+            }
+            g
+        });
+    if gran < 4 {
+        return None;
+    }
+    let ks = s.k.next_multiple_of(4);
+    let tokb = 2 * r16(s.k * isz) + r16(cw * isz);
+    let stage = s.k * cw * s.state_size + mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
+    let xf = ((2 * mt + mq) * ks).max(segs * pmax * cw);
+    let m = RING_MAX_TOKENS;
+    let floats =
+        xf + pmax * ks + mt * ks + ks + mt * cw + m * m + mq * m + 2 * m * m + 2 * mq * m + 3 * m;
+    let smem = 2 * stage + 4 * floats + 16;
+    (smem <= s.smem_optin).then_some(RingPlan {
+        mt,
+        mq,
+        pmax,
+        gran,
+        vblocks: s.v.div_ceil(cw),
+        smem,
+    })
+}
+
 impl CudaBackend {
     /// The backend on device 0.
     pub fn new() -> Result<Self> {
@@ -254,6 +343,7 @@ impl CudaBackend {
             eager_warps: Mutex::new(None),
             eager_pipelined: Mutex::new(None),
             eager_stages: Mutex::new(None),
+            ring_pipelined: Mutex::new(None),
             num_sms,
             smem_optin,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
@@ -281,6 +371,15 @@ impl CudaBackend {
     /// pipelined one wherever the shape allows it.
     pub fn set_eager_pipelined(&self, on: Option<bool>) -> Result<()> {
         *self.eager_pipelined.lock() = on;
+        Ok(())
+    }
+
+    /// Chooses the kernel of calls with a ring: `Some(true)` or `None` (the default) the
+    /// pipelined chunked kernel `kda_ring` wherever the shape fits it (K-first pools, whole
+    /// 4-byte rows, at most 16 tokens of ring and new tokens), `Some(false)` the token-by-token
+    /// kernel `kda_step` (bit-exact with eager decode for fp32 pools).
+    pub fn set_ring_pipelined(&self, on: Option<bool>) -> Result<()> {
+        *self.ring_pipelined.lock() = on;
         Ok(())
     }
 
@@ -539,7 +638,42 @@ impl CudaBackend {
         } else {
             None
         };
+        let ring_pipe = if ring && *self.ring_pipelined.lock() != Some(false) {
+            let plan = &call.batch.plan;
+            ring_plan(&RingShape {
+                k: g.k,
+                v: g.v,
+                h: g.h,
+                hv: g.hv,
+                state_size: g.state_dtype.size(),
+                input_size: input.size(),
+                ring_len: g.ring_len,
+                max_new: (0..n).map(|i| plan.len_of(i)).max().unwrap_or(0),
+                v_first: g.layout == StateLayout::VFirst,
+                smem_optin: self.smem_optin,
+            })
+        } else {
+            None
+        };
         let (func, smem, grid_cap) = match pipe {
+            None if ring_pipe.is_some() => {
+                let rp = ring_pipe.expect("checked");
+                let f = ring_kernel(&self.ctx, key)?;
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    rp.smem as i32,
+                )
+                .map_err(|e| device_err("kda_ring shared memory", e))?;
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(
+                        RING_THREADS as u32,
+                        rp.smem,
+                        None,
+                    )
+                    .map_err(|e| device_err("kda_ring occupancy", e))?
+                    .max(1) as usize;
+                (f, rp.smem, Some(per_sm * self.num_sms as usize))
+            }
             Some(pl) => {
                 let f = eager_kernel(&self.ctx, key)?;
                 f.set_attribute(
@@ -561,6 +695,8 @@ impl CudaBackend {
         };
         let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
             (g.hv, 1usize, pl.vblocks, pl.warps)
+        } else if let Some(rp) = ring_pipe {
+            (g.hv, 1usize, rp.vblocks, RING_THREADS / 32)
         } else if ring {
             let w = warps_per_head.min(8);
             (g.h, g.group(), 1usize, w)
@@ -634,6 +770,10 @@ impl CudaBackend {
             units: units as u32,
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
+            ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
+            ring_pmax: ring_pipe.map_or(0, |rp| rp.pmax as u32),
+            ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
+            ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
@@ -646,9 +786,9 @@ impl CudaBackend {
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
-        // launch bounds (<= 256 threads); the pipelined kernel's dynamic shared memory was
-        // checked against the device's opt-in limit and its 16-byte copies against the shape
-        // (`eager_plan`).
+        // launch bounds (<= 256 threads; 128 for `kda_ring`); the pipelined kernels' dynamic
+        // shared memory was checked against the device's opt-in limit and their copies against
+        // the shape (`eager_plan`, `ring_plan`).
         unsafe { b.launch(cfg) }.map_err(|e| device_err("kda_step launch", e))?;
         Ok(())
     }
@@ -860,6 +1000,71 @@ mod tests {
         assert_eq!(plan(&e), (8, 1, 2));
         e.fixed_warps = Some(3);
         assert_eq!(plan(&e), (3, 3, 3));
+    }
+
+    fn ring_shape(state_size: usize, ring_len: usize, max_new: usize) -> RingShape {
+        RingShape {
+            k: 128,
+            v: 128,
+            h: 12,
+            hv: 12,
+            state_size,
+            input_size: 2,
+            ring_len,
+            max_new,
+            v_first: false,
+            smem_optin: 227 * 1024,
+        }
+    }
+
+    #[test]
+    fn ring_plan_fits_the_benchmarked_ring_and_spec_shapes() {
+        // decode with ring 8: one 128-byte tile row per item, 8-byte copies of token rows (a
+        // ring entry of 12 heads in bf16 is 9240 bytes)
+        let p = ring_plan(&ring_shape(4, 8, 1)).expect("fp32 ring 8");
+        assert_eq!((p.mt, p.mq, p.pmax, p.gran, p.vblocks), (9, 1, 12, 8, 4));
+        let p = ring_plan(&ring_shape(2, 8, 1)).expect("fp16 ring 8");
+        assert_eq!((p.mt, p.pmax, p.vblocks), (9, 12, 2));
+        // spec T = 4 with ring 10
+        let p = ring_plan(&ring_shape(2, 10, 4)).expect("spec T = 4");
+        assert_eq!((p.mt, p.mq, p.pmax), (14, 4, 20));
+        assert!(p.smem <= 227 * 1024);
+        // three CTAs per SM for decode with ring 8 (228 KiB per SM, 1 KiB reserved per CTA)
+        for state_size in [4, 2] {
+            let p = ring_plan(&ring_shape(state_size, 8, 1)).unwrap();
+            assert!(3 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
+        }
+    }
+
+    #[test]
+    fn ring_plan_refuses_what_the_chunked_kernel_cannot_take() {
+        let mut s = ring_shape(2, 8, 1);
+        s.v_first = true;
+        assert_eq!(ring_plan(&s), None, "V-first pools run kda_step");
+        assert_eq!(
+            ring_plan(&ring_shape(2, 0, 1)),
+            None,
+            "no ring: eager kernels"
+        );
+        assert_eq!(ring_plan(&ring_shape(2, 12, 5)), None, "17 tokens per item");
+        let mut s = ring_shape(2, 4, 1);
+        s.k = 20;
+        assert_eq!(ring_plan(&s), None, "K rows not in whole segments");
+        let mut s = ring_shape(2, 4, 1);
+        s.h = 1;
+        s.hv = 1;
+        s.k = 24;
+        s.v = 8;
+        // K of 24 2-byte inputs is 48 bytes, a ring entry 2 (24 + 8 + 24 + 1) = 114 bytes: 2-byte
+        // copies only
+        assert_eq!(ring_plan(&s), None, "token rows without 4-byte copies");
+        let mut s = ring_shape(4, 8, 1);
+        s.smem_optin = 64 * 1024;
+        assert_eq!(
+            ring_plan(&s),
+            None,
+            "more shared memory than the device has"
+        );
     }
 
     #[test]

@@ -57,9 +57,17 @@ pub(crate) struct KdaParams {
     pub vblocks: u32,
     /// Pipeline stages of the eager kernel (2 or 3; ignored by `kda_step`).
     pub stages: u32,
+    /// `kda_ring`: token rows per stage (ring length + most new tokens of a sequence).
+    pub ring_mt: u32,
+    /// `kda_ring`: most projections of one item (`ring_mt` + most new tokens, rounded up to 4).
+    pub ring_pmax: u32,
+    /// `kda_ring`: bytes per asynchronous copy of a token row (4, 8 or 16).
+    pub ring_gran: u32,
+    /// `kda_ring`: most new tokens of one sequence.
+    pub ring_mq: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<KdaParams>() == 15 * 8 + 20 * 4);
+const _: () = assert!(std::mem::size_of::<KdaParams>() == 15 * 8 + 24 * 4);
 
 // SAFETY: KdaParams is a plain `repr(C)` struct of u64/u32/f32 fields with no padding (checked
 // above), laid out exactly like the kernel's `struct KdaParams`; it is passed by value.

@@ -17,6 +17,7 @@ use crate::error::{KernelError, Result};
 const COMPAT: &str = include_str!("../../../../kernels/kda_compat.cuh");
 const COMMON: &str = include_str!("../../../../kernels/kda_common.cuh");
 const DECODE: &str = include_str!("../../../../kernels/kda_decode.cu");
+const RING: &str = include_str!("../../../../kernels/kda_ring.cu");
 const FILL: &str = include_str!("../../../../kernels/kda_fill.cu");
 
 /// What a `kda_step` module is specialised on.
@@ -33,6 +34,7 @@ pub(crate) struct StepKey {
 enum Key {
     Step(StepKey),
     Eager(StepKey),
+    Ring(StepKey),
     Fill,
     Copy,
 }
@@ -79,7 +81,7 @@ pub(crate) fn step_source(key: &StepKey) -> String {
         key.v,
         u8::from(key.layout == StateLayout::VFirst)
     );
-    source(&defines, DECODE)
+    source(&defines, &format!("{DECODE}\n{RING}"))
 }
 
 fn unavailable(reason: String) -> KernelError {
@@ -150,7 +152,7 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
     }
     let one = |r: Result<Vec<CudaFunction>>| r.map(|mut v| v.remove(0));
     let f = match key {
-        Key::Step(k) | Key::Eager(k) => {
+        Key::Step(k) | Key::Eager(k) | Key::Ring(k) => {
             let name = format!(
                 "kda_decode_{}_{}_{}_k{}_v{}.cu",
                 k.state.name(),
@@ -159,14 +161,20 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
                 k.k,
                 k.v
             );
-            // one module holds both kernels of a key
-            let fs = compile(ctx, &step_source(&k), &name, &["kda_step", "kda_eager"])?;
+            // one module holds the three kernels of a key
+            let fs = compile(
+                ctx,
+                &step_source(&k),
+                &name,
+                &["kda_step", "kda_eager", "kda_ring"],
+            )?;
             map.insert((ctx.ordinal(), Key::Step(k)), fs[0].clone());
             map.insert((ctx.ordinal(), Key::Eager(k)), fs[1].clone());
-            return Ok(if matches!(key, Key::Step(_)) {
-                fs[0].clone()
-            } else {
-                fs[1].clone()
+            map.insert((ctx.ordinal(), Key::Ring(k)), fs[2].clone());
+            return Ok(match key {
+                Key::Step(_) => fs[0].clone(),
+                Key::Eager(_) => fs[1].clone(),
+                _ => fs[2].clone(),
             });
         }
         Key::Fill => one(compile(
@@ -195,6 +203,12 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 /// `kda_step`), compiled on first use.
 pub(crate) fn eager_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
     get(ctx, Key::Eager(key))
+}
+
+/// The pipelined chunked ring kernel `kda_ring` specialised on `key` (same module as
+/// `kda_step`), compiled on first use.
+pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+    get(ctx, Key::Ring(key))
 }
 
 /// The `kda_fill` kernel.
