@@ -63,7 +63,7 @@ struct KdaParams {
     kda_u32 vblocks;                 // CTAs per unit along V (1 with a ring)
     kda_u32 stages;                  // kda_eager: pipeline stages (2 or 3)
     kda_u32 ring_mt;                 // kda_ring: token rows per stage (ring_len + most new tokens)
-    kda_u32 ring_pmax;               // kda_ring: most projections of an item, rounded up to 4
+    kda_u32 ring_spare;              // zero
     kda_u32 ring_gran;               // kda_ring: bytes per cp.async of token rows (4, 8 or 16)
     kda_u32 ring_mq;                 // kda_ring: most new tokens of a sequence
 };
@@ -859,6 +859,37 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 }
 #endif
 
+// Issues the cp.async copies of a state tile: columns cb.. (cw of them, cwv valid, whole 16-byte
+// chunks) of the value head at `head`, into `dst` (K-first [K][cw] swizzled, V-first [cw][K]).
+// The caller commits.
+__device__ __forceinline__ void tile_issue(unsigned char* dst, const ST* head, int cb, int cw, int cwv) {
+    if constexpr (!VFIRST) {
+        // cpr (chunks per tile row) divides blockDim.x (cw = warps x WC, WC x sizeof(ST) a
+        // power-of-two multiple of 16 <= 512), so a thread copies chunk o of the rows
+        // row0 + m STEP, STEP = blockDim.x / cpr = 512 / (WC sizeof(ST)) whatever the warps.
+        constexpr int STEP = 512 / (WC * (int)sizeof(ST));
+        constexpr int NR = (K + STEP - 1) / STEP;
+        const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
+        const int o = (int)threadIdx.x % cpr, row0 = (int)threadIdx.x / cpr;
+        const kda_u32 mask = kf_swizzle_mask(cpr);
+        if (o < cprv) {
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(head + (size_t)row0 * V + cb) + 16 * o;
+            const SmemAt d(dst);
+            const kda_u32 rb = (kda_u32)cw * sizeof(ST), r0 = (kda_u32)row0;
+#pragma unroll
+            for (int m = 0; m < NR; ++m) {
+                const kda_u32 row = r0 + (kda_u32)(m * STEP);
+                // 16-byte chunk o of a row lands at chunk o ^ kf_swizzle(row) (tile_from_stage)
+                if (K % STEP == 0 || row < (kda_u32)K) // no branch where every row is whole
+                    cp_async16_at(d, row * rb + 16u * ((kda_u32)o ^ kf_swizzle(row, mask)),
+                                  src + (size_t)m * STEP * V * sizeof(ST));
+            }
+        }
+    } else {
+        copy_chunks(dst, reinterpret_cast<const unsigned char*>(head + (size_t)cb * K), cwv * K * (int)sizeof(ST));
+    }
+}
+
 // Issues the copies of one item into a stage as two cp.async groups: first its token inputs
 // and scalars (committed here), then its state tile (the caller commits), so the activations
 // can start before the tile has arrived.
@@ -894,33 +925,7 @@ __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage&
         cp_async4(st + L.scal + 4, reinterpret_cast<const float*>(p.a_log) + it.hv);
     cp_async_commit();
     const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
-    if constexpr (!VFIRST) {
-        // cpr (chunks per tile row) divides blockDim.x (cw = warps x WC, WC x sizeof(ST) a
-        // power-of-two multiple of 16 <= 512), so a thread copies chunk o of the rows
-        // row0 + m STEP, STEP = blockDim.x / cpr = 512 / (WC sizeof(ST)) whatever the warps.
-        constexpr int STEP = 512 / (WC * (int)sizeof(ST));
-        constexpr int NR = (K + STEP - 1) / STEP;
-        const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
-        const int o = (int)threadIdx.x % cpr, row0 = (int)threadIdx.x / cpr;
-        const kda_u32 mask = kf_swizzle_mask(cpr);
-        if (o < cprv) {
-            const unsigned char* src =
-                reinterpret_cast<const unsigned char*>(head + (size_t)row0 * V + it.cb) + 16 * o;
-            const SmemAt dst(st + L.tile);
-            const kda_u32 rb = (kda_u32)cw * sizeof(ST), r0 = (kda_u32)row0;
-#pragma unroll
-            for (int m = 0; m < NR; ++m) {
-                const kda_u32 row = r0 + (kda_u32)(m * STEP);
-                // 16-byte chunk o of a row lands at chunk o ^ kf_swizzle(row) (tile_from_stage)
-                if (K % STEP == 0 || row < (kda_u32)K) // no branch where every row is whole
-                    cp_async16_at(dst, row * rb + 16u * ((kda_u32)o ^ kf_swizzle(row, mask)),
-                                  src + (size_t)m * STEP * V * sizeof(ST));
-            }
-        }
-    } else {
-        copy_chunks(st + L.tile, reinterpret_cast<const unsigned char*>(head + (size_t)it.cb * K),
-                    cwv * K * (int)sizeof(ST));
-    }
+    tile_issue(st + L.tile, head, it.cb, cw, cwv);
 }
 
 // The lane's tile from a stage (cw columns starting at the item's first column; col0l: the

@@ -1,72 +1,52 @@
-// Decode, spec_verify and replay over the replay ring: the pipelined kernel in chunked form
-// (kda_ring), the default for K-first pools with a ring (docs/architecture.md, "The replay
-// ring"). Compiled in the same module as kda_decode.cu, after it (its helpers, the plan and the
-// ring layout are shared).
+// Decode, spec_verify and replay over the replay ring, pipelined (kda_ring): the default kernel
+// of 2-byte pools with a ring and nearest rounding where the shape fits (`ring_plan` in
+// backend.rs; kda_step otherwise). Compiled in the same module as kda_decode.cu, after it: the
+// token step, the activations, the plan, the ring layout and the tile copies are shared, so it
+// gives kda_step's bits (and, for fp32 pools, eager decode's).
 //
-// Math. With the state S0 of the slot unchanged in shared memory, the tokens t = 0..ntok-1 of
-// an item (the pending ring entries, then the new tokens) unroll to (G_t = prod_{m<=t} d_m,
-// R_{j,t} = prod_{m=j+1..t} d_m, per key row; d the decay exp(g)):
-//   u_t = beta_t (v_t - (k_t o G_t)^T S0 - sum_{j<t} A_tj u_j),  A_tj = sum_r k_t R_{j,t} k_j
-//   o_t = (q_t o G_t)^T S0 + sum_{j<=t} B_tj u_j,                 B_tj = sum_r q_t R_{j,t} k_j
-//   S_end = diag(G_{pend-1}) S0 + sum_{j<pend} (k_j o R_{j,pend-1}) u_j^T      (a commit)
-// so one pass over S0 computes every projection at once (no chain of reductions and rank-1
-// updates per token), and the state is written only when the ring commits. Products of decays
-// only (never a quotient), so a decay that underflows cannot make a 0/0. The results equal
-// kda_step's up to the order of f32 operations (fp32 pools within 1e-5, not bit for bit).
-//
-// Work split. Items (sequence, value head, block of RCW columns: one 128-byte row of the tile)
-// are looped over by persistent CTAs of RT threads, two stages: the next item's token rows
-// (ring entries and new inputs), dt_bias and state tile are copied into shared memory with
-// cp.async while the current one computes. Thread 0 looks the items up ahead (slot, then ring
-// record and accepted count one iteration later), so no copy waits on a dependent load. In the
-// projection pass a thread owns two adjacent columns of one segment of K rows; the segments'
-// partial sums are added in shared memory.
+// Work split. Items (sequence, value head, block of RCW = 8 WC columns: a whole head at
+// K = V = 128) are looped over by persistent CTAs of RT = 256 threads (eight warps with
+// kda_step's lane mapping), two stages: the next item's token rows (its pending ring entries and
+// new tokens: k, g, v of its columns, q of the new tokens), dt_bias and state tile are copied
+// into shared memory with cp.async while the current item computes. Thread 0 looks the items up
+// ahead (the slot one iteration before the ring record and the accepted count, which it uses one
+// iteration later), so no copy waits on a dependent load. Every token of an item is activated at
+// once (one warp per token), then each warp steps its columns through the tokens with no barrier
+// in between. Stores round to nearest only (the stochastic store's registers would spill the
+// token loop); the host runs kda_step for stochastic-rounding pools.
 //
 // Ring data. Without a commit an item appends its own part of the new tokens' entries (rows
 // beyond the pending entries, which no item reads). A commit overwrites entries 0.., which the
 // other items of the slot may still read, so the CTA that finishes the slot's last item (the
 // `arrive` counter) copies the whole slot's new entries, and writes the new record, one item
-// later (its atomic's result is not waited for in the item that issues it).
+// later (the atomic's result is not waited for in the item that issues it).
 #include "kda_decode.cu"
 
 namespace kda {
 
-constexpr int RT = 128;                                // threads of a kda_ring CTA
-constexpr int RCW = sizeof(ST) == 4 ? 32 : 64;         // columns of an item: a 128-byte tile row
-constexpr int RPAIRS = RCW / 2;                        // a thread owns two adjacent columns
-constexpr int RSEGS = RT / RPAIRS;                     // segments of K rows (4 or 8)
-constexpr int RPS = K / RSEGS;                         // rows per segment (host: K % (4 RSEGS) == 0)
-constexpr int MTC = 16;                                // most tokens of an item (host checks)
-constexpr int RK = round16(K * (int)sizeof(IT));       // bytes of a raw K row in a stage
-constexpr int RTILE = K * RCW * (int)sizeof(ST);       // bytes of the tile in a stage
+constexpr int RT = 256;                          // threads of a kda_ring CTA
+constexpr int RCW = (RT / 32) * WC;              // columns of an item
+constexpr int MTC = 16;                          // most tokens of an item (host checks)
+constexpr int RK = round16(K * (int)sizeof(IT)); // bytes of a raw K row in a stage
+constexpr int RTILE = round16(K * RCW * (int)sizeof(ST)); // bytes of the tile in a stage
 
 // Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs). A stage: the
-// tile [K][RCW], then per token t at RTILE + t tokb its raw k, g ([K] each) and v ([RCW]), the
-// raw q of new token t at qrow + (t - pend) RK, then dt_bias (f32 [K]). After the two stages,
-// f32 arrays: ka, da [mt][KS] and qa [mq][KS] (activated keys and decays of every token,
-// queries of the new ones; the projection pass reuses them for its partial sums
-// [RSEGS][pmax][RCW]), proj [pmax][KS] (pmax a multiple of 4, zero rows past an item's
-// projections), kr [mt][KS], gend [KS], us [mt][RCW], the pair sums A [MTC][MTC] and B
-// [mq][MTC], their warp partials [MTC][MTC][2] and [mq][MTC][2], beta [MTC], raw beta [2][MTC]
-// (per stage), a_log [2] (per stage).
+// tile, then per token t at RTILE + t tokb its raw k, g ([K] each) and v ([RCW]), the raw q of
+// new token t at qrow + (t - pend) RK, then dt_bias (f32 [K]). After the two stages, f32
+// arrays: ka, da [mt][KS] (activated keys, decays), qa [mq][KS] (queries of the new tokens),
+// va [mt][RCW] (values), beta [MTC], raw beta [2][MTC] and a_log [2] (per stage).
 struct RingLayout {
-    int tokb, qrow, bias, stage, x, proj, kr, gend, us, a, b, pa, pb, sbeta, braw, alog, bytes;
-    __device__ __forceinline__ RingLayout(int mt, int mq, int pmax) {
+    int tokb, qrow, bias, stage, ka, da, qa, va, sbeta, braw, alog, bytes;
+    __device__ __forceinline__ RingLayout(int mt, int mq) {
         tokb = 2 * RK + round16(RCW * (int)sizeof(IT));
         qrow = RTILE + mt * tokb;
         bias = qrow + mq * RK;
         stage = bias + round16(K * 4);
-        x = 2 * stage;
-        const int xf = cmax((2 * mt + mq) * KS, RSEGS * pmax * RCW);
-        proj = x + 4 * xf;
-        kr = proj + 4 * pmax * KS;
-        gend = kr + 4 * mt * KS;
-        us = gend + 4 * KS;
-        a = us + 4 * mt * RCW;
-        b = a + 4 * MTC * MTC;
-        pa = b + 4 * mq * MTC;
-        pb = pa + 4 * MTC * MTC * 2;
-        sbeta = pb + 4 * mq * MTC * 2;
+        ka = 2 * stage;
+        da = ka + 4 * mt * KS;
+        qa = da + 4 * mt * KS;
+        va = qa + 4 * mq * KS;
+        sbeta = va + 4 * mt * RCW;
         braw = sbeta + 4 * MTC;
         alog = braw + 4 * 2 * MTC;
         bytes = alog + 16;
@@ -173,24 +153,9 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
         for (int j = (int)threadIdx.x; j < K / 4; j += RT) cp_async16(st + L.bias + 16 * j, bias + 4 * j);
     }
     cp_async_commit();
-    // the tile: K rows of cwv columns (whole 16-byte chunks), unswizzled; a thread copies chunk o
-    // of rows row0 + m RSTEP, unrolled with 32-bit shared offsets
-    const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V) + it.cb;
-    constexpr int CPR = RCW * (int)sizeof(ST) / 16; // 8 chunks per tile row
-    constexpr int RSTEP = RT / CPR;
-    constexpr int NRP = (K + RSTEP - 1) / RSTEP;
-    const int o = (int)threadIdx.x % CPR, row0 = (int)threadIdx.x / CPR;
-    if (o < cwv * (int)sizeof(ST) / 16) {
-        const unsigned char* src = reinterpret_cast<const unsigned char*>(head + (size_t)row0 * V) + 16 * o;
-        const SmemAt dst(st);
-        const kda_u32 off0 = (kda_u32)(row0 * (RCW * (int)sizeof(ST)) + 16 * o);
-#pragma unroll
-        for (int m = 0; m < NRP; ++m) {
-            if (K % RSTEP == 0 || row0 + m * RSTEP < K)
-                cp_async16_at(dst, off0 + (kda_u32)(m * RSTEP * RCW * (int)sizeof(ST)),
-                              src + (size_t)m * RSTEP * V * sizeof(ST));
-        }
-    }
+    // the tile (K-first swizzled like kda_eager's, V-first plain)
+    const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
+    tile_issue(st, head, it.cb, RCW, cwv);
     cp_async_commit();
     if (threadIdx.x < ntok) {
         const kda_u32 t = threadIdx.x;
@@ -201,60 +166,45 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
     if (threadIdx.x == RT - 1 && p.gate_mode != 0u) alog = reinterpret_cast<const float*>(p.a_log)[it.hv];
 }
 
-// The partial projections of 4 per-row vectors (proj [4][KS]) on the thread's two columns over
-// its segment of rows, into red [RSEGS][P][RCW] at vector offset p0 (P: the vectors in red).
-__device__ __forceinline__ void ring_project4(const ST* tile, const float* proj, int pair, int seg, float* red,
-                                              int P, int p0) {
-    constexpr int Q = 4;
-    float y[Q][2];
-#pragma unroll
-    for (int t = 0; t < Q; ++t) y[t][0] = y[t][1] = 0.0f;
-    const int r0 = seg * RPS;
-#pragma unroll 2
-    for (int r = r0; r < r0 + RPS; r += 4) {
-        float s[4][2];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) kda_load_vec<ST, 2>(tile + (r + i) * RCW + 2 * pair, s[i]);
-#pragma unroll
-        for (int t = 0; t < Q; ++t) {
-            const float4 w = *reinterpret_cast<const float4*>(proj + t * KS + r);
-            y[t][0] = fmaf(w.x, s[0][0], y[t][0]);
-            y[t][1] = fmaf(w.x, s[0][1], y[t][1]);
-            y[t][0] = fmaf(w.y, s[1][0], y[t][0]);
-            y[t][1] = fmaf(w.y, s[1][1], y[t][1]);
-            y[t][0] = fmaf(w.z, s[2][0], y[t][0]);
-            y[t][1] = fmaf(w.z, s[2][1], y[t][1]);
-            y[t][0] = fmaf(w.w, s[3][0], y[t][0]);
-            y[t][1] = fmaf(w.w, s[3][1], y[t][1]);
-        }
+// The CTA copies n words of W from s to d, four loads in flight per thread.
+template <typename W> __device__ __forceinline__ void cta_copy(W* d, const W* s, size_t n) {
+    size_t i = threadIdx.x;
+    for (; i + 3 * RT < n; i += 4 * RT) {
+        const W a = s[i], b = s[i + RT], c = s[i + 2 * RT], e = s[i + 3 * RT];
+        d[i] = a;
+        d[i + RT] = b;
+        d[i + 2 * RT] = c;
+        d[i + 3 * RT] = e;
     }
-#pragma unroll
-    for (int t = 0; t < Q; ++t)
-        *reinterpret_cast<float2*>(red + (seg * P + p0 + t) * RCW + 2 * pair) = make_float2(y[t][0], y[t][1]);
+    for (; i < n; i += RT) d[i] = s[i];
+}
+
+// The CTA copies `bytes` (a multiple of gran) from s to d in words of gran bytes.
+__device__ __forceinline__ void cta_copy_bytes(void* d, const void* s, size_t bytes, int gran) {
+    if (gran == 16) {
+        cta_copy(reinterpret_cast<uint4*>(d), reinterpret_cast<const uint4*>(s), bytes / 16);
+    } else if (gran == 8) {
+        cta_copy(reinterpret_cast<uint2*>(d), reinterpret_cast<const uint2*>(s), bytes / 8);
+    } else {
+        cta_copy(reinterpret_cast<kda_u32*>(d), reinterpret_cast<const kda_u32*>(s), bytes / 4);
+    }
 }
 
 // A commit's new ring entries 0..nnew of a whole slot, from the call's inputs (every thread of
-// the CTA; the ring entry is laid out like one token's k, v, g, beta rows of all heads).
+// the CTA; a ring entry holds one token's k, v, g rows of all heads, then its betas).
 __device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slot, kda_u32 bos, kda_u32 nnew) {
     const size_t entry = ring_entry_elems(p);
     const size_t hk = (size_t)p.h * K, hvv = (size_t)p.hv * V, hvk = (size_t)p.hv * K;
+    const int gran = (int)p.ring_gran;
     IT* ring = reinterpret_cast<IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
     for (kda_u32 j = 0; j < nnew; ++j) {
         const size_t tok = bos + j;
         IT* e = ring + (size_t)j * entry;
-        for (size_t i = threadIdx.x; i < entry; i += RT) {
-            IT x;
-            if (i < hk) {
-                x = reinterpret_cast<const IT*>(p.k)[tok * hk + i];
-            } else if (i < hk + hvv) {
-                x = reinterpret_cast<const IT*>(p.v)[tok * hvv + (i - hk)];
-            } else if (i < hk + hvv + hvk) {
-                x = reinterpret_cast<const IT*>(p.g)[tok * hvk + (i - hk - hvv)];
-            } else {
-                x = reinterpret_cast<const IT*>(p.beta)[tok * p.hv + (i - hk - hvv - hvk)];
-            }
-            e[i] = x;
-        }
+        cta_copy_bytes(e, reinterpret_cast<const IT*>(p.k) + tok * hk, hk * sizeof(IT), gran);
+        cta_copy_bytes(e + hk, reinterpret_cast<const IT*>(p.v) + tok * hvv, hvv * sizeof(IT), gran);
+        cta_copy_bytes(e + hk + hvv, reinterpret_cast<const IT*>(p.g) + tok * hvk, hvk * sizeof(IT), gran);
+        for (size_t i = threadIdx.x; i < p.hv; i += RT)
+            e[hk + hvv + hvk + i] = reinterpret_cast<const IT*>(p.beta)[tok * p.hv + i];
     }
 }
 
@@ -266,27 +216,23 @@ struct RingArrival {
 
 } // namespace kda
 
-extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring(const KdaParams p) {
+extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParams p) {
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ RingItem s_items[2];
     __shared__ RingItem s_next;
     __shared__ kda_u32 s_copy[3]; // slot, bos, nnew of entries this CTA must write (KDA_NONE: none)
+    // thread 0's bookkeeping in shared memory (not in every thread's registers): the previous
+    // item's arrival, and the slot of the item after the next one to issue
+    __shared__ RingArrival s_prev;
+    __shared__ kda_u32 s_la_slot;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const RingLayout L((int)p.ring_mt, (int)p.ring_mq, (int)p.ring_pmax);
-    const int mt = (int)p.ring_mt;
-    float* ka = reinterpret_cast<float*>(dsm + L.x);
-    float* da = ka + mt * KS;
-    float* qa = da + mt * KS; // [mq][KS]: new token t at row t - pend
-    float* red = ka; // the projection pass's partial sums, once ka/da/qa are dead
-    float* proj = reinterpret_cast<float*>(dsm + L.proj);
-    float* kr = reinterpret_cast<float*>(dsm + L.kr);
-    float* gend = reinterpret_cast<float*>(dsm + L.gend);
-    float* us = reinterpret_cast<float*>(dsm + L.us);
-    float* A = reinterpret_cast<float*>(dsm + L.a);
-    float* B = reinterpret_cast<float*>(dsm + L.b);
-    float* PA = reinterpret_cast<float*>(dsm + L.pa);
-    float* PB = reinterpret_cast<float*>(dsm + L.pb);
+    const int lk = lane / LV, lv = lane % LV;
+    const RingLayout L((int)p.ring_mt, (int)p.ring_mq);
+    float* ka = reinterpret_cast<float*>(dsm + L.ka);
+    float* da = reinterpret_cast<float*>(dsm + L.da);
+    float* qa = reinterpret_cast<float*>(dsm + L.qa); // new token t at row t - pend
+    float* va = reinterpret_cast<float*>(dsm + L.va);
     float* sbeta = reinterpret_cast<float*>(dsm + L.sbeta);
     float* braw_s = reinterpret_cast<float*>(dsm + L.braw);
     float* alog_s = reinterpret_cast<float*>(dsm + L.alog);
@@ -298,28 +244,25 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring(const KdaParam
     kda_u32* metas = reinterpret_cast<kda_u32*>(p.meta);
     const kda_u32* slots = reinterpret_cast<const kda_u32*>(p.slots);
     const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-    const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
     const int group = (int)(p.hv / p.h);
     const size_t entry = ring_entry_elems(p);
 
     kda_u32 item = blockIdx.x;
     if (item >= total) return;
     // Prologue (thread 0): the first two items, and the slot of the third.
-    kda_u32 la_slot = 0; // thread 0: the slot of the item after the next one to issue
     if (threadIdx.x == 0) {
         s_items[0] = ring_lookup(p, item);
         if (item + grid < total) s_next = ring_lookup(p, item + grid);
-        if (item + 2 * grid < total) la_slot = slots[ring_seq(p, item + 2 * grid)];
+        s_la_slot = item + 2 * grid < total ? slots[ring_seq(p, item + 2 * grid)] : 0u;
         s_copy[0] = KDA_NONE;
+        s_prev.slot = KDA_NONE; // no arrival yet
     }
     __syncthreads();
     float braw_next, alog_next;
     ring_issue(dsm, L, p, s_items[0], braw_next, alog_next);
     kda_u32 issued = item + grid;
 
-    RingArrival prev{};
-    bool have_prev = false;
-    kda_u32 prev_old = 0;
+    kda_u32 prev_old = 0; // thread 0: the previous item's arrival (its atomic's result)
 
     for (int i = 0; item < total; item += grid, ++i) {
         const int stage = i & 1;
@@ -342,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring(const KdaParam
             issued += grid;
             if (threadIdx.x == 0 && issued < total) {
                 const kda_u32 n = ring_seq(p, issued);
-                const volatile kda_u32* vm = metas + (size_t)la_slot * 4;
+                const volatile kda_u32* vm = metas + (size_t)s_la_slot * 4;
                 m_len = vm[0];
                 m_pend = vm[1];
                 m_acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
@@ -361,7 +304,8 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring(const KdaParam
         const int cwv = cmin(RCW, V - me.cb);
         const unsigned char* tokrow = st + RTILE;
         if (nnew > 0 || store) {
-            // 1) activations: one warp per token (key, query of new tokens, decays, beta)
+            // 1) activations of every token: one warp per token (key, decays, values of the
+            // item's columns, beta; the query of a new token)
             const float a_exp = p.gate_mode ? expf(alog_s[stage]) : 0.0f;
             const float* bias = reinterpret_cast<const float*>(st + L.bias);
             for (int t = warp; t < ntok; t += RT / 32) {
@@ -376,147 +320,37 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring(const KdaParam
                     if (t >= (int)pend) qa[(t - (int)pend) * KS + kk] = 0.0f;
                     da[t * KS + kk] = 1.0f;
                 }
+                const IT* rv = reinterpret_cast<const IT*>(row + 2 * RK);
+                for (int c = lane; c < cwv; c += 32) va[t * RCW + c] = kda_load(rv[c]);
                 if (lane == 0) sbeta[t] = act_beta(braw_s[stage * MTC + t], p);
             }
             cp_async_wait<2>(); // this item's tile
             __syncthreads();
 
-            // 2) factors. Per key row: the projections k_t o G_t (every token) and q_t o G_t (new
-            // tokens), and for a commit G_{pend-1} and k_j o R_{j,pend-1}.
-            const int P = ntok + (int)nnew, P4 = (P + 3) & ~3;
-            for (int r = (int)threadIdx.x; r < KS; r += RT) {
-                float G = 1.0f;
-                if (pend == 0) gend[r] = 1.0f;
-                for (int t = 0; t < ntok; ++t) {
-                    G *= da[t * KS + r];
-                    proj[t * KS + r] = ka[t * KS + r] * G;
-                    if (t >= (int)pend) proj[(ntok + t - (int)pend) * KS + r] = qa[(t - (int)pend) * KS + r] * G;
-                    if (t + 1 == (int)pend) gend[r] = G;
-                }
-                for (int q = P; q < P4; ++q) proj[q * KS + r] = 0.0f;
-                if (store) {
-                    float R = 1.0f;
-                    for (int j = (int)pend - 1; j >= 0; --j) {
-                        kr[j * KS + r] = ka[j * KS + r] * R;
-                        R *= da[j * KS + r];
-                    }
-                }
-            }
-            // The pair sums A_tj (j < t) and B_tj (j <= t, new t): one warp per token t, the
-            // running product R_{j,t} of the lane's rows from j = t down; each pair reduced over 16
-            // lanes here (2 partials to shared memory), the partials added in the next phase.
-            for (int t = warp; t < ntok; t += RT / 32) {
+            // 2) each warp steps its columns through the tokens (kda_step's token step)
+            float s[TK][TV];
+            const int col0l = warp * WC + lv * TV;
+            tile_from_stage(reinterpret_cast<const ST*>(st), lk, col0l, cwv, RCW, s);
+            const int col0 = me.cb + col0l;
+            ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)me.slot * p.hv + me.hv) * ((size_t)K * V);
+            const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
+            for (int t = 0; t < ntok; ++t) {
                 const bool fresh = t >= (int)pend;
-                float kt[KL], qt[KL], rr[KL];
-#pragma unroll
-                for (int m = 0; m < KL; ++m) {
-                    const int r = lane + 32 * m;
-                    kt[m] = r < K ? ka[t * KS + r] : 0.0f;
-                    qt[m] = (fresh && r < K) ? qa[(t - (int)pend) * KS + r] : 0.0f;
-                    rr[m] = 1.0f;
+                float o[TV];
+                token_step(s, ka + t * KS, da + t * KS, qa + (fresh ? t - (int)pend : 0) * KS, va + t * RCW + col0l,
+                           cwv - col0l, sbeta[t], lk, fresh, o);
+                if (fresh && lk == 0 && col0 < V) {
+                    const size_t tok = me.bos + ((kda_u32)t - pend);
+                    store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + me.hv) * V + col0, o, col0);
                 }
-                for (int j = t; j >= 0; --j) {
-                    float a = 0.0f, b = 0.0f;
-#pragma unroll
-                    for (int m = 0; m < KL; ++m) {
-                        const int r = lane + 32 * m;
-                        if (r < K) {
-                            const float kj = ka[j * KS + r] * rr[m];
-                            a = fmaf(kt[m], kj, a);
-                            b = fmaf(qt[m], kj, b);
-                            rr[m] *= da[j * KS + r];
-                        }
-                    }
-#pragma unroll
-                    for (int ofs = 16; ofs >= 2; ofs >>= 1) {
-                        a += KDA_SHFL_XOR(a, ofs);
-                        if (fresh) b += KDA_SHFL_XOR(b, ofs);
-                    }
-                    if (lane < 2) {
-                        if (j < t) PA[(t * MTC + j) * 2 + lane] = a;
-                        if (fresh) PB[((t - (int)pend) * MTC + j) * 2 + lane] = b;
-                    }
-                }
-            }
-            __syncthreads();
-
-            // 3) the pair sums from their partials, and one pass over the tile per 4 projections
-            for (int e = (int)threadIdx.x; e < ntok * MTC; e += RT) {
-                const int t = e / MTC, j = e % MTC;
-                if (j < t) {
-                    const float2 x = *reinterpret_cast<const float2*>(PA + 2 * e);
-                    A[e] = x.x + x.y;
-                }
-                if (t >= (int)pend && j <= t) {
-                    const int eb = (t - (int)pend) * MTC + j;
-                    const float2 x = *reinterpret_cast<const float2*>(PB + 2 * eb);
-                    B[eb] = x.x + x.y;
-                }
-            }
-            const int pair = (int)threadIdx.x % RPAIRS, seg = (int)threadIdx.x / RPAIRS;
-            const ST* tile = reinterpret_cast<const ST*>(st);
-            for (int q = 0; q < P4; q += 4) ring_project4(tile, proj + q * KS, pair, seg, red, P4, q);
-            __syncthreads();
-
-            // 4) per column, in token order: u_t, and the output of each new token
-            if ((int)threadIdx.x < cwv) {
-                const int c = (int)threadIdx.x;
-                for (int t = 0; t < ntok; ++t) {
-                    float y = 0.0f;
-#pragma unroll
-                    for (int sg = 0; sg < RSEGS; ++sg) y += red[(sg * P4 + t) * RCW + c];
-                    const IT* vrow = reinterpret_cast<const IT*>(tokrow + t * L.tokb + 2 * RK);
-                    float x = kda_load(vrow[c]) - y;
-                    for (int j = 0; j < t; ++j) x = fmaf(-A[t * MTC + j], us[j * RCW + c], x);
-                    const float u = sbeta[t] * x;
-                    us[t * RCW + c] = u;
-                    if (t >= (int)pend) {
-                        float o = 0.0f;
-#pragma unroll
-                        for (int sg = 0; sg < RSEGS; ++sg) o += red[(sg * P4 + ntok + t - (int)pend) * RCW + c];
-                        const float* bt = B + (t - (int)pend) * MTC;
-                        for (int j = 0; j <= t; ++j) o = fmaf(bt[j], us[j * RCW + c], o);
-                        const size_t tok = me.bos + ((kda_u32)t - pend);
-                        reinterpret_cast<IT*>(p.out)[(tok * p.hv + me.hv) * V + me.cb + c] = KdaElem<IT>::from_f32(o);
-                    }
-                }
+                // nearest rounding only: the host runs kda_step for stochastic-rounding pools (the
+                // hash and the fp16 rounding would take registers from the token loop)
+                if ((kda_u32)t + 1 == me.pl.store_after) store_tile<false>(head, lk, col0, s, 0u, elem0);
             }
 
-            if (store) {
-                // 5) commit: S_end = diag(G_{pend-1}) S0 + sum_j (k_j o R_{j,pend-1}) u_j^T, stored
-                // once (two adjacent columns per thread, a warp covers whole 128-byte rows)
-                __syncthreads();
-                const int c0 = 2 * pair;
-                if (c0 < cwv) {
-                    ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)me.slot * p.hv + me.hv) * ((size_t)K * V);
-                    const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
-                    const kda_u32 base = p.sr ? kda_sr_base(seed, p.layer, me.slot, p.epoch) : 0u;
-                    for (int r = seg * RPS; r < seg * RPS + RPS; ++r) {
-                        float s2[2];
-                        kda_load_vec<ST, 2>(tile + r * RCW + c0, s2);
-                        const float gr = gend[r];
-                        float x0 = gr * s2[0], x1 = gr * s2[1];
-                        for (int j = 0; j < (int)pend; ++j) {
-                            const float kv = kr[j * KS + r];
-                            const float2 uv = *reinterpret_cast<const float2*>(us + j * RCW + c0);
-                            x0 = fmaf(kv, uv.x, x0);
-                            x1 = fmaf(kv, uv.y, x1);
-                        }
-                        const kda_u32 el = elem0 + (kda_u32)(r * V + me.cb + c0);
-                        ST v2[2];
-                        if (p.sr) {
-                            v2[0] = round_elem<true>(x0, base, el);
-                            v2[1] = round_elem<true>(x1, base, el + 1);
-                        } else {
-                            v2[0] = round_elem<false>(x0, base, el);
-                            v2[1] = round_elem<false>(x1, base, el + 1);
-                        }
-                        kda_store_vec<ST, 2>(head + (size_t)r * V + me.cb + c0, v2);
-                    }
-                }
-            } else if (me.pl.append_at != KDA_NONE && nnew > 0) {
-                // 6) no commit: this item's part of the new entries (rows past the pending
-                // entries: no item of this call reads them)
+            // 3) no commit: this item's part of the new entries (rows past the pending
+            // entries: no item of this call reads them)
+            if (!store && me.pl.append_at != KDA_NONE && nnew > 0) {
                 IT* ring = reinterpret_cast<IT*>(p.ring) + (size_t)me.slot * p.ring_len * entry;
                 const int h = me.hv / group;
                 const size_t ok = (size_t)h * K, ov = (size_t)p.h * K + (size_t)me.hv * V + me.cb,
@@ -541,42 +375,41 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring(const KdaParam
             }
         }
 
-        // every thread has read s_next and s_copy (an item with work has passed barriers since)
+        // every thread has read s_next and s_copy (an item with work has passed a barrier since)
         if (!(nnew > 0 || store)) __syncthreads();
-        // 7) arrival (thread 0): look at the previous item's, then arrive for this one
+        // 4) arrival (thread 0): look at the previous item's, then arrive for this one
         if (threadIdx.x == 0) {
             s_copy[0] = KDA_NONE;
-            if (have_prev && prev_old == per_seq - 1) {
-                kda_u32* m = metas + (size_t)prev.slot * 4;
-                m[0] = prev.new_len;
-                m[1] = prev.new_pending;
+            if (s_prev.slot != KDA_NONE && prev_old == per_seq - 1) {
+                kda_u32* m = metas + (size_t)s_prev.slot * 4;
+                m[0] = s_prev.new_len;
+                m[1] = s_prev.new_pending;
                 m[2] = 0u;
-                if (prev.copy) {
-                    s_copy[0] = prev.slot;
-                    s_copy[1] = prev.bos;
-                    s_copy[2] = prev.nnew;
+                if (s_prev.copy) {
+                    s_copy[0] = s_prev.slot;
+                    s_copy[1] = s_prev.bos;
+                    s_copy[2] = s_prev.nnew;
                 }
             }
             // No fence: this item's reads of the record and of the ring entries are complete (their
             // values were used above), which is all the last item's writes must come after.
             prev_old = atomicAdd(metas + (size_t)me.slot * 4 + 2, 1u);
-            have_prev = true;
-            prev.slot = me.slot;
-            prev.new_len = me.pl.new_len;
-            prev.new_pending = me.pl.new_pending;
-            prev.bos = me.bos;
-            prev.nnew = nnew;
-            prev.copy = store && me.pl.append_at != KDA_NONE && nnew > 0;
+            s_prev.slot = me.slot;
+            s_prev.new_len = me.pl.new_len;
+            s_prev.new_pending = me.pl.new_pending;
+            s_prev.bos = me.bos;
+            s_prev.nnew = nnew;
+            s_prev.copy = store && me.pl.append_at != KDA_NONE && nnew > 0;
             // the next item to issue, now that its record has arrived
             if (issued < total) {
                 RingItem nx;
                 ring_coords(p, issued, nx);
-                nx.slot = la_slot;
+                nx.slot = s_la_slot;
                 nx.bos = m_b0;
                 nx.nnew = m_b1 - m_b0;
-                nx.pl = plan_from(p, la_slot, nx.nnew, m_len, m_pend, m_acc, err, nx.hv == 0 && nx.cb == 0);
+                nx.pl = plan_from(p, nx.slot, nx.nnew, m_len, m_pend, m_acc, err, nx.hv == 0 && nx.cb == 0);
                 s_next = nx;
-                la_slot = z_slot;
+                s_la_slot = z_slot;
             }
         }
     }
@@ -587,15 +420,15 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring(const KdaParam
     __syncthreads();
     if (threadIdx.x == 0) {
         s_copy[0] = KDA_NONE;
-        if (have_prev && prev_old == per_seq - 1) {
-            kda_u32* m = metas + (size_t)prev.slot * 4;
-            m[0] = prev.new_len;
-            m[1] = prev.new_pending;
+        if (s_prev.slot != KDA_NONE && prev_old == per_seq - 1) {
+            kda_u32* m = metas + (size_t)s_prev.slot * 4;
+            m[0] = s_prev.new_len;
+            m[1] = s_prev.new_pending;
             m[2] = 0u;
-            if (prev.copy) {
-                s_copy[0] = prev.slot;
-                s_copy[1] = prev.bos;
-                s_copy[2] = prev.nnew;
+            if (s_prev.copy) {
+                s_copy[0] = s_prev.slot;
+                s_copy[1] = s_prev.bos;
+                s_copy[2] = s_prev.nnew;
             }
         }
     }

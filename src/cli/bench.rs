@@ -622,22 +622,13 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let us = b.time(&mut s, kind, None)?;
                                 let bytes = sb + sb / l as f64 + eb * ((l + 1) as f64 / 2.0 + 1.0);
                                 b.record("decode", h, n, 1, l, state, layout, sets, us, bytes)?;
-                                // the token-by-token ring kernel, same run (before/after)
-                                be.set_ring_pipelined(Some(false)).map_err(kerr)?;
-                                let us = b.time(&mut s, kind, None)?;
+                                // each ring kernel, same run: kda_ring, kda_step
+                                for (op, on) in [("decode-piped", true), ("decode-step", false)] {
+                                    be.set_ring_pipelined(Some(on)).map_err(kerr)?;
+                                    let us = b.time(&mut s, kind, None)?;
+                                    b.record(op, h, n, 1, l, state, layout, sets, us, bytes)?;
+                                }
                                 be.set_ring_pipelined(None).map_err(kerr)?;
-                                b.record(
-                                    "decode-step",
-                                    h,
-                                    n,
-                                    1,
-                                    l,
-                                    state,
-                                    layout,
-                                    sets,
-                                    us,
-                                    bytes,
-                                )?;
                             }
                         }
                         Kind::Spec => {
@@ -656,26 +647,20 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 }
                                 be.check_device_errors().map_err(kerr)?;
                                 let us = b.time(&mut s, kind, Some(&acc_buf))?;
-                                be.set_ring_pipelined(Some(false)).map_err(kerr)?;
-                                let us_step = b.time(&mut s, kind, Some(&acc_buf))?;
+                                let mut each = Vec::new();
+                                for on in [true, false] {
+                                    be.set_ring_pipelined(Some(on)).map_err(kerr)?;
+                                    each.push(b.time(&mut s, kind, Some(&acc_buf))?);
+                                }
                                 be.set_ring_pipelined(None).map_err(kerr)?;
                                 let (store_frac, folded) = simulate_spec(&acc, t, l, 64);
                                 let (sb, eb) = (s.state_bytes(), s.entry_bytes());
                                 let sets = s.batches.len();
                                 let bytes = sb * (1.0 + store_frac) + eb * (folded + t as f64);
                                 b.record("spec", h, n, t, l, state, layout, sets, us, bytes)?;
-                                b.record(
-                                    "spec-step",
-                                    h,
-                                    n,
-                                    t,
-                                    l,
-                                    state,
-                                    layout,
-                                    sets,
-                                    us_step,
-                                    bytes,
-                                )?;
+                                for (op, us) in [("spec-piped", each[0]), ("spec-step", each[1])] {
+                                    b.record(op, h, n, t, l, state, layout, sets, us, bytes)?;
+                                }
                             }
                         }
                         Kind::Replay => {

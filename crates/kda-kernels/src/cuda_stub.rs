@@ -138,7 +138,7 @@ impl CudaBackend {
     pub fn set_eager_pipelined(&self, _on: Option<bool>) -> Result<()> {
         match *self {}
     }
-    /// Chooses the kernel of calls with a ring (pipelined chunked or token by token).
+    /// Chooses the kernel of calls with a ring (pipelined `kda_ring` or one unit per CTA).
     pub fn set_ring_pipelined(&self, _on: Option<bool>) -> Result<()> {
         match *self {}
     }

@@ -1,4 +1,5 @@
-//! [`CudaBackend`]: the [`Backend`] of the CUDA device, one `kda_step` launch per operation.
+//! [`CudaBackend`]: the [`Backend`] of the CUDA device, one kernel launch per operation
+//! (`kda_eager` or `kda_step` for eager decode, `kda_ring` or `kda_step` with a ring).
 //!
 //! Two ways in:
 //! - the [`Backend`] methods validate everything on the host, exactly like the CPU backend:
@@ -65,7 +66,7 @@ pub struct CudaBackend {
     eager_pipelined: Mutex<Option<bool>>,
     /// Pipeline stages of the pipelined eager kernel (`None`: the default).
     eager_stages: Mutex<Option<usize>>,
-    /// Whether calls with a ring use the pipelined chunked kernel (`None`: wherever it fits).
+    /// Whether calls with a ring use the pipelined kernel `kda_ring` (`None`: wherever it fits).
     ring_pipelined: Mutex<Option<bool>>,
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
@@ -198,7 +199,7 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         })
 }
 
-/// What decides whether and how the pipelined chunked ring kernel (`kda_ring`) runs.
+/// What decides whether and how the pipelined ring kernel (`kda_ring`) runs.
 struct RingShape {
     k: usize,
     v: usize,
@@ -209,7 +210,10 @@ struct RingShape {
     ring_len: usize,
     /// Most new tokens of one sequence in the call.
     max_new: usize,
-    v_first: bool,
+    /// Whether the pool rounds stochastically (`kda_ring` stores with nearest rounding only).
+    stochastic: bool,
+    /// Whether `kda_ring` was asked for (else it runs by default only for 2-byte pools).
+    forced: bool,
     smem_optin: usize,
 }
 
@@ -220,8 +224,6 @@ struct RingPlan {
     mt: usize,
     /// Most new tokens of one sequence.
     mq: usize,
-    /// Most projections of one item (`mt` + `mq`), rounded up to 4.
-    pmax: usize,
     /// Bytes per asynchronous copy of a token row (4, 8 or 16).
     gran: usize,
     /// Column blocks per value head.
@@ -231,24 +233,36 @@ struct RingPlan {
 }
 
 /// Threads of a `kda_ring` CTA (`RT` in `kernels/kda_ring.cu`).
-const RING_THREADS: usize = 128;
+const RING_THREADS: usize = 256;
 /// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
 const RING_MAX_TOKENS: usize = 16;
 
-/// The launch of `kda_ring`, or `None` where the shape does not fit it (V-first pools, rows
-/// that are not whole 4-byte copies, too many tokens per item, too much shared memory): then
-/// `kda_step` runs. Mirrors `RingLayout` and the constants of `kernels/kda_ring.cu`.
+/// The launch of `kda_ring`, or `None` where the call does not fit it (fp32 pools unless asked
+/// for, stochastic rounding, tiles that are not whole 16-byte copies, token rows that are not
+/// whole 4-byte copies, too many tokens per item, too much shared memory): then `kda_step`
+/// runs. Mirrors `RingLayout` and the constants of `kernels/kda_ring.cu` (an item is eight
+/// warps of `kda_step`'s lane mapping).
 fn ring_plan(s: &RingShape) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
-    // an item: one 128-byte row of the tile, two columns per thread
-    let cw = 128 / s.state_size;
-    let segs = RING_THREADS / (cw / 2);
+    let lk = s.k.div_ceil(16).next_power_of_two().min(32);
+    let wc = warp_columns(s.k);
+    let cw = (RING_THREADS / 32) * wc;
+    let sv = 16 / s.state_size;
+    let rg = if s.k.is_multiple_of(sv) { sv } else { 1 };
     let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
-    let pmax = (mt + mq).next_multiple_of(4);
-    if s.v_first
-        || s.ring_len == 0
-        || !s.k.is_multiple_of(4 * segs)
-        || !(s.v * s.state_size).is_multiple_of(16)
+    let tile_chunks = [wc * s.state_size, s.v * s.state_size, s.k * s.state_size]
+        .iter()
+        .all(|b| b.is_multiple_of(16));
+    // fp32 pools: a whole-head tile per stage leaves one CTA per SM, measured slower than
+    // kda_step on the H200 (docs/performance.md); only when asked for
+    if s.ring_len == 0
+        || (s.state_size == 4 && !s.forced)
+        || s.stochastic
+        || !tile_chunks
+        || !s.k.is_multiple_of(lk)
+        || !(s.k / lk).is_multiple_of(rg)
+        || !s.v.is_multiple_of(4)
+        || !(s.k * 4).is_multiple_of(16)
         || mt > RING_MAX_TOKENS
     {
         return None;
@@ -269,16 +283,12 @@ fn ring_plan(s: &RingShape) -> Option<RingPlan> {
     }
     let ks = s.k.next_multiple_of(4);
     let tokb = 2 * r16(s.k * isz) + r16(cw * isz);
-    let stage = s.k * cw * s.state_size + mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
-    let xf = ((2 * mt + mq) * ks).max(segs * pmax * cw);
-    let m = RING_MAX_TOKENS;
-    let floats =
-        xf + pmax * ks + mt * ks + ks + mt * cw + m * m + mq * m + 2 * m * m + 2 * mq * m + 3 * m;
+    let stage = r16(s.k * cw * s.state_size) + mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
+    let floats = (2 * mt + mq) * ks + mt * cw + 3 * RING_MAX_TOKENS;
     let smem = 2 * stage + 4 * floats + 16;
     (smem <= s.smem_optin).then_some(RingPlan {
         mt,
         mq,
-        pmax,
         gran,
         vblocks: s.v.div_ceil(cw),
         smem,
@@ -374,10 +384,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Chooses the kernel of calls with a ring: `Some(true)` or `None` (the default) the
-    /// pipelined chunked kernel `kda_ring` wherever the shape fits it (K-first pools, whole
-    /// 4-byte rows, at most 16 tokens of ring and new tokens), `Some(false)` the token-by-token
-    /// kernel `kda_step` (bit-exact with eager decode for fp32 pools).
+    /// Chooses the kernel of calls with a ring: `Some(true)` the pipelined kernel `kda_ring`
+    /// wherever the call fits it (nearest rounding, whole 16-byte tile rows, whole 4-byte token
+    /// rows, at most 16 pending and new tokens per sequence), `None` (the default) the same for
+    /// 2-byte pools only (where it was measured faster), `Some(false)` the one-unit-per-CTA
+    /// kernel `kda_step`. Both give the same bits.
     pub fn set_ring_pipelined(&self, on: Option<bool>) -> Result<()> {
         *self.ring_pipelined.lock() = on;
         Ok(())
@@ -502,7 +513,7 @@ impl CudaBackend {
         Ok(plan.slots.iter().map(|&s| all[s as usize]).collect())
     }
 
-    /// Validates, then launches one `kda_step`. `exact`: read the ring records and accepted
+    /// Validates, then launches one kernel. `exact`: read the ring records and accepted
     /// counts back and validate them on the host (the [`Backend`] methods).
     fn run(&self, call: Call<'_, '_>, layer: &mut LayerMut<'_, Buf>, exact: bool) -> Result<()> {
         let checked = self.validate(&call, layer, exact)?;
@@ -567,7 +578,7 @@ impl CudaBackend {
         )
     }
 
-    /// Launches one `kda_step` for a validated call; `stores`: whether the host knows that
+    /// Launches the one kernel of a validated call; `stores`: whether the host knows that
     /// the call stores (exact validation), else the epoch is bumped whenever it may store.
     fn launch(
         &self,
@@ -638,7 +649,8 @@ impl CudaBackend {
         } else {
             None
         };
-        let ring_pipe = if ring && *self.ring_pipelined.lock() != Some(false) {
+        let ring_choice = *self.ring_pipelined.lock();
+        let ring_pipe = if ring && ring_choice != Some(false) {
             let plan = &call.batch.plan;
             ring_plan(&RingShape {
                 k: g.k,
@@ -649,7 +661,8 @@ impl CudaBackend {
                 input_size: input.size(),
                 ring_len: g.ring_len,
                 max_new: (0..n).map(|i| plan.len_of(i)).max().unwrap_or(0),
-                v_first: g.layout == StateLayout::VFirst,
+                stochastic: sr == 1,
+                forced: ring_choice == Some(true),
                 smem_optin: self.smem_optin,
             })
         } else {
@@ -771,7 +784,7 @@ impl CudaBackend {
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
-            ring_pmax: ring_pipe.map_or(0, |rp| rp.pmax as u32),
+            ring_spare: 0,
             ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
             ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
         };
@@ -786,7 +799,7 @@ impl CudaBackend {
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
-        // launch bounds (<= 256 threads; 128 for `kda_ring`); the pipelined kernels' dynamic
+        // launch bounds (<= 256 threads); the pipelined kernels' dynamic
         // shared memory was checked against the device's opt-in limit and their copies against
         // the shape (`eager_plan`, `ring_plan`).
         unsafe { b.launch(cfg) }.map_err(|e| device_err("kda_step launch", e))?;
@@ -1012,51 +1025,52 @@ mod tests {
             input_size: 2,
             ring_len,
             max_new,
-            v_first: false,
+            stochastic: false,
+            forced: true,
             smem_optin: 227 * 1024,
         }
     }
 
     #[test]
     fn ring_plan_fits_the_benchmarked_ring_and_spec_shapes() {
-        // decode with ring 8: one 128-byte tile row per item, 8-byte copies of token rows (a
-        // ring entry of 12 heads in bf16 is 9240 bytes)
+        // decode with ring 8: whole heads of 128 columns (eight warps), 8-byte copies of token
+        // rows (a ring entry of 12 heads in bf16 is 9240 bytes)
         let p = ring_plan(&ring_shape(4, 8, 1)).expect("fp32 ring 8");
-        assert_eq!((p.mt, p.mq, p.pmax, p.gran, p.vblocks), (9, 1, 12, 8, 4));
+        assert_eq!((p.mt, p.mq, p.gran, p.vblocks), (9, 1, 8, 1));
         let p = ring_plan(&ring_shape(2, 8, 1)).expect("fp16 ring 8");
-        assert_eq!((p.mt, p.pmax, p.vblocks), (9, 12, 2));
-        // spec T = 4 with ring 10
+        assert_eq!((p.mt, p.vblocks), (9, 1));
+        // two CTAs (16 warps) per SM for a 2-byte pool (228 KiB per SM, 1 KiB reserved per CTA)
+        assert!(2 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
+        // spec T = 4 with ring 10 (either layout: the plan does not depend on it)
         let p = ring_plan(&ring_shape(2, 10, 4)).expect("spec T = 4");
-        assert_eq!((p.mt, p.mq, p.pmax), (14, 4, 20));
-        assert!(p.smem <= 227 * 1024);
-        // three CTAs per SM for decode with ring 8 (228 KiB per SM, 1 KiB reserved per CTA)
-        for state_size in [4, 2] {
-            let p = ring_plan(&ring_shape(state_size, 8, 1)).unwrap();
-            assert!(3 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
-        }
+        assert_eq!((p.mt, p.mq), (14, 4));
     }
 
     #[test]
-    fn ring_plan_refuses_what_the_chunked_kernel_cannot_take() {
-        let mut s = ring_shape(2, 8, 1);
-        s.v_first = true;
-        assert_eq!(ring_plan(&s), None, "V-first pools run kda_step");
+    fn ring_plan_refuses_what_the_pipelined_kernel_cannot_take() {
         assert_eq!(
             ring_plan(&ring_shape(2, 0, 1)),
             None,
             "no ring: eager kernels"
         );
+        let mut s = ring_shape(2, 4, 1);
+        s.stochastic = true;
+        assert_eq!(ring_plan(&s), None, "stochastic rounding: kda_step");
+        let mut s = ring_shape(4, 8, 1);
+        s.forced = false;
+        assert_eq!(ring_plan(&s), None, "fp32 pools: kda_step unless asked for");
+        s.state_size = 2;
+        assert!(ring_plan(&s).is_some(), "2-byte pools: kda_ring by default");
         assert_eq!(ring_plan(&ring_shape(2, 12, 5)), None, "17 tokens per item");
         let mut s = ring_shape(2, 4, 1);
-        s.k = 20;
-        assert_eq!(ring_plan(&s), None, "K rows not in whole segments");
+        s.v = 20;
+        assert_eq!(ring_plan(&s), None, "tile rows of 40 bytes");
         let mut s = ring_shape(2, 4, 1);
         s.h = 1;
         s.hv = 1;
         s.k = 24;
         s.v = 8;
-        // K of 24 2-byte inputs is 48 bytes, a ring entry 2 (24 + 8 + 24 + 1) = 114 bytes: 2-byte
-        // copies only
+        // a ring entry of 2 (24 + 8 + 24 + 1) = 114 bytes: 2-byte copies only
         assert_eq!(ring_plan(&s), None, "token rows without 4-byte copies");
         let mut s = ring_shape(4, 8, 1);
         s.smem_optin = 64 * 1024;

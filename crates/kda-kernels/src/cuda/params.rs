@@ -1,5 +1,5 @@
-//! The kernel parameter block, passed by value to `kda_step`. Must match `struct KdaParams` in
-//! `kernels/kda_decode.cu` field for field.
+//! The kernel parameter block, passed by value to `kda_step`, `kda_eager` and `kda_ring`. Must
+//! match `struct KdaParams` in `kernels/kda_decode.cu` field for field.
 
 /// Operation codes of `kda_step` (`KDA_OP_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,8 +59,8 @@ pub(crate) struct KdaParams {
     pub stages: u32,
     /// `kda_ring`: token rows per stage (ring length + most new tokens of a sequence).
     pub ring_mt: u32,
-    /// `kda_ring`: most projections of one item (`ring_mt` + most new tokens, rounded up to 4).
-    pub ring_pmax: u32,
+    /// Zero.
+    pub ring_spare: u32,
     /// `kda_ring`: bytes per asynchronous copy of a token row (4, 8 or 16).
     pub ring_gran: u32,
     /// `kda_ring`: most new tokens of one sequence.

@@ -205,7 +205,7 @@ pub(crate) fn eager_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaF
     get(ctx, Key::Eager(key))
 }
 
-/// The pipelined chunked ring kernel `kda_ring` specialised on `key` (same module as
+/// The pipelined ring kernel `kda_ring` specialised on `key` (same module as
 /// `kda_step`), compiled on first use.
 pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
     get(ctx, Key::Ring(key))
