@@ -1,14 +1,16 @@
 // Decode, spec_verify and replay over the replay ring, pipelined (kda_ring): the default kernel
-// of 2-byte pools with a ring and nearest rounding where the shape fits (`ring_plan` in
-// backend.rs; kda_step otherwise). Compiled in the same module as kda_decode.cu, after it: the
-// token step, the activations, the plan, the ring layout and the tile copies are shared, so it
-// gives kda_step's bits (and, for fp32 pools, eager decode's).
+// with a ring and nearest rounding where the shape fits, fp32 spec_verify and replay excepted
+// (`ring_plan` in backend.rs; kda_step otherwise). Compiled in the same module as
+// kda_decode.cu, after it: the token step, the activations, the plan, the ring layout and the
+// tile copies are shared, so it gives kda_step's bits (and, for fp32 pools, eager decode's).
 //
 // Work split. Items (sequence, value head, block of RCW = 8 WC columns: a whole head at
 // K = V = 128) are looped over by persistent CTAs of RT = 256 threads (eight warps with
-// kda_step's lane mapping), two stages: the next item's token rows (its pending ring entries and
-// new tokens: k, g, v of its columns, q of the new tokens), dt_bias and state tile are copied
-// into shared memory with cp.async while the current item computes. Thread 0 looks the items up
+// kda_step's lane mapping). The next item's token rows (its pending ring entries and new tokens:
+// k, g, v of its columns, q of the new tokens) and dt_bias are copied into the other of two
+// stages with cp.async while the current item computes; its state tile goes into the one tile
+// buffer as soon as the current tile is in registers, so the copy overlaps the token steps and
+// an fp32 head (64 KB) still leaves room for two CTAs per SM. Thread 0 looks the items up
 // ahead (the slot one iteration before the ring record and the accepted count, which it uses one
 // iteration later), so no copy waits on a dependent load. Every token of an item is activated at
 // once (one warp per token), then each warp steps its columns through the tokens with no barrier
@@ -28,21 +30,21 @@ constexpr int RT = 256;                          // threads of a kda_ring CTA
 constexpr int RCW = (RT / 32) * WC;              // columns of an item
 constexpr int MTC = 16;                          // most tokens of an item (host checks)
 constexpr int RK = round16(K * (int)sizeof(IT)); // bytes of a raw K row in a stage
-constexpr int RTILE = round16(K * RCW * (int)sizeof(ST)); // bytes of the tile in a stage
+constexpr int RTILE = round16(K * RCW * (int)sizeof(ST)); // bytes of the tile buffer
 
-// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs). A stage: the
-// tile, then per token t at RTILE + t tokb its raw k, g ([K] each) and v ([RCW]), the raw q of
-// new token t at qrow + (t - pend) RK, then dt_bias (f32 [K]). After the two stages, f32
-// arrays: ka, da [mt][KS] (activated keys, decays), qa [mq][KS] (queries of the new tokens),
+// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs): the tile buffer
+// [0, RTILE), then two stages at RTILE + j stage. A stage: per token t at t tokb its raw k, g
+// ([K] each) and v ([RCW]), the raw q of new token t at qrow + (t - pend) RK, then dt_bias (f32
+// [K]). After the two stages, f32 arrays: ka, da [mt][KS] (activated keys, decays), qa [mq][KS] (queries of the new tokens),
 // va [mt][RCW] (values), beta [MTC], raw beta [2][MTC] and a_log [2] (per stage).
 struct RingLayout {
     int tokb, qrow, bias, stage, ka, da, qa, va, sbeta, braw, alog, bytes;
     __device__ __forceinline__ RingLayout(int mt, int mq) {
         tokb = 2 * RK + round16(RCW * (int)sizeof(IT));
-        qrow = RTILE + mt * tokb;
+        qrow = mt * tokb;
         bias = qrow + mq * RK;
         stage = bias + round16(K * 4);
-        ka = 2 * stage;
+        ka = RTILE + 2 * stage;
         da = ka + 4 * mt * KS;
         qa = da + 4 * mt * KS;
         va = qa + 4 * mq * KS;
@@ -108,16 +110,18 @@ __device__ __forceinline__ size_t ring_entry_elems(const KdaParams& p) {
     return (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
 }
 
-// Issues the copies of one item into a stage as two cp.async groups (token rows and dt_bias,
-// then the tile). Returns, loaded now and used when the item is computed, the raw beta of
-// token threadIdx.x (< ntok) and, in thread RT - 1, a_log.
+// Whether an item has anything to compute (new tokens or a store).
+__device__ __forceinline__ bool ring_work(const RingItem& it) { return it.nnew > 0 || it.pl.store_after != KDA_NONE; }
+
+// Issues the copies of one item's token rows and dt_bias into a stage as one cp.async group
+// (committed, empty for an item without work). Returns, loaded now and used when the item is
+// computed, the raw beta of token threadIdx.x (< ntok) and, in thread RT - 1, a_log.
 __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& L, const KdaParams& p,
                                            const RingItem& it, float& braw, float& alog) {
     const kda_u32 ntok = it.pl.pend + it.nnew;
     braw = 0.0f;
     alog = 0.0f;
-    if (it.nnew == 0 && it.pl.store_after == KDA_NONE) {
-        cp_async_commit();
+    if (!ring_work(it)) {
         cp_async_commit();
         return;
     }
@@ -145,17 +149,13 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
         }
         const int bytes = (part == 3 ? cwv : K) * (int)sizeof(IT);
         unsigned char* dst = part == 0 ? st + L.qrow + (t - (int)it.pl.pend) * RK
-                                       : st + RTILE + t * L.tokb + (part - 1) * RK;
+                                       : st + t * L.tokb + (part - 1) * RK;
         copy_row(dst, src, bytes, (int)p.ring_gran, lane);
     }
     if (p.gate_mode != 0u) {
         const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)it.hv * K;
         for (int j = (int)threadIdx.x; j < K / 4; j += RT) cp_async16(st + L.bias + 16 * j, bias + 4 * j);
     }
-    cp_async_commit();
-    // the tile (K-first swizzled like kda_eager's, V-first plain)
-    const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
-    tile_issue(st, head, it.cb, RCW, cwv);
     cp_async_commit();
     if (threadIdx.x < ntok) {
         const kda_u32 t = threadIdx.x;
@@ -164,6 +164,16 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
         braw = kda_load(*b);
     }
     if (threadIdx.x == RT - 1 && p.gate_mode != 0u) alog = reinterpret_cast<const float*>(p.a_log)[it.hv];
+}
+
+// Issues the copies of one item's state tile into the tile buffer as one cp.async group
+// (committed, empty for an item without work; K-first swizzled like kda_eager's, V-first plain).
+__device__ __forceinline__ void ring_issue_tile(unsigned char* tile, const KdaParams& p, const RingItem& it) {
+    if (ring_work(it)) {
+        const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
+        tile_issue(tile, head, it.cb, RCW, cmin(RCW, V - it.cb));
+    }
+    cp_async_commit();
 }
 
 // The CTA copies n words of W from s to d, four loads in flight per thread.
@@ -258,15 +268,19 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         s_prev.slot = KDA_NONE; // no arrival yet
     }
     __syncthreads();
+    // cp.async groups, oldest first: this item's token rows, this item's tile, the next item's
+    // token rows (issued at the top of an iteration), the next item's tile (issued once this
+    // item's tile is in registers)
     float braw_next, alog_next;
-    ring_issue(dsm, L, p, s_items[0], braw_next, alog_next);
+    ring_issue(dsm + RTILE, L, p, s_items[0], braw_next, alog_next);
+    ring_issue_tile(dsm, p, s_items[0]);
     kda_u32 issued = item + grid;
 
     kda_u32 prev_old = 0; // thread 0: the previous item's arrival (its atomic's result)
 
     for (int i = 0; item < total; item += grid, ++i) {
         const int stage = i & 1;
-        unsigned char* st = dsm + stage * L.stage;
+        unsigned char* st = dsm + RTILE + stage * L.stage;
         // this item's raw betas and a_log (loaded when it was issued)
         if ((int)threadIdx.x < MTC) braw_s[stage * MTC + threadIdx.x] = braw_next;
         if (threadIdx.x == RT - 1) alog_s[stage] = alog_next;
@@ -278,9 +292,10 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
 
         // issue the next item; thread 0 starts the loads of the one after it (its slot is known)
         kda_u32 m_len = 0, m_pend = 0, m_acc = 0, m_b0 = 0, m_b1 = 0, z_slot = 0;
-        if (issued < total) {
+        const bool more = issued < total; // s_next holds the next item until step 4
+        if (more) {
             const RingItem nx = s_next;
-            ring_issue(dsm + (stage ^ 1) * L.stage, L, p, nx, braw_next, alog_next);
+            ring_issue(dsm + RTILE + (stage ^ 1) * L.stage, L, p, nx, braw_next, alog_next);
             if (threadIdx.x == 0) s_items[stage ^ 1] = nx;
             issued += grid;
             if (threadIdx.x == 0 && issued < total) {
@@ -295,14 +310,13 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
             }
         } else {
             cp_async_commit();
-            cp_async_commit();
         }
 
         const kda_u32 pend = me.pl.pend, nnew = me.nnew;
         const int ntok = (int)(pend + nnew);
         const bool store = me.pl.store_after != KDA_NONE;
         const int cwv = cmin(RCW, V - me.cb);
-        const unsigned char* tokrow = st + RTILE;
+        const unsigned char* tokrow = st;
         if (nnew > 0 || store) {
             // 1) activations of every token: one warp per token (key, decays, values of the
             // item's columns, beta; the query of a new token)
@@ -324,13 +338,22 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
                 for (int c = lane; c < cwv; c += 32) va[t * RCW + c] = kda_load(rv[c]);
                 if (lane == 0) sbeta[t] = act_beta(braw_s[stage * MTC + t], p);
             }
-            cp_async_wait<2>(); // this item's tile
+            cp_async_wait<1>(); // this item's tile (the next item's token rows may be in flight)
             __syncthreads();
 
-            // 2) each warp steps its columns through the tokens (kda_step's token step)
+            // 2) each warp steps its columns through the tokens (kda_step's token step); the next
+            // item's tile is copied into the buffer once every warp holds this one in registers
             float s[TK][TV];
             const int col0l = warp * WC + lv * TV;
-            tile_from_stage(reinterpret_cast<const ST*>(st), lk, col0l, cwv, RCW, s);
+            tile_from_stage(reinterpret_cast<const ST*>(dsm), lk, col0l, cwv, RCW, s);
+            __syncthreads();
+            if (more) {
+                // the next item as thread 0 stored it before the barriers above (s_next may be
+                // rewritten by thread 0 before a slower warp gets here)
+                ring_issue_tile(dsm, p, s_items[stage ^ 1]);
+            } else {
+                cp_async_commit();
+            }
             const int col0 = me.cb + col0l;
             ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)me.slot * p.hv + me.hv) * ((size_t)K * V);
             const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
@@ -375,8 +398,17 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
             }
         }
 
-        // every thread has read s_next and s_copy (an item with work has passed a barrier since)
-        if (!(nnew > 0 || store)) __syncthreads();
+        if (!(nnew > 0 || store)) {
+            // no tile to read: the next item's tile goes into the buffer now (s_next is rewritten
+            // only after the barrier below)
+            if (more) {
+                ring_issue_tile(dsm, p, s_next);
+            } else {
+                cp_async_commit();
+            }
+            // every thread has read s_next and s_copy (an item with work passed barriers since)
+            __syncthreads();
+        }
         // 4) arrival (thread 0): look at the previous item's, then arrive for this one
         if (threadIdx.x == 0) {
             s_copy[0] = KDA_NONE;

@@ -212,7 +212,7 @@ struct RingShape {
     max_new: usize,
     /// Whether the pool rounds stochastically (`kda_ring` stores with nearest rounding only).
     stochastic: bool,
-    /// Whether `kda_ring` was asked for (else it runs by default only for 2-byte pools).
+    /// Whether `kda_ring` was asked for (else fp32 pools run it only for one new token).
     forced: bool,
     smem_optin: usize,
 }
@@ -237,8 +237,8 @@ const RING_THREADS: usize = 256;
 /// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
 const RING_MAX_TOKENS: usize = 16;
 
-/// The launch of `kda_ring`, or `None` where the call does not fit it (fp32 pools unless asked
-/// for, stochastic rounding, tiles that are not whole 16-byte copies, token rows that are not
+/// The launch of `kda_ring`, or `None` where the call does not fit it (fp32 pools beyond
+/// decode unless asked for, stochastic rounding, tiles that are not whole 16-byte copies, token rows that are not
 /// whole 4-byte copies, too many tokens per item, too much shared memory): then `kda_step`
 /// runs. Mirrors `RingLayout` and the constants of `kernels/kda_ring.cu` (an item is eight
 /// warps of `kda_step`'s lane mapping).
@@ -253,10 +253,10 @@ fn ring_plan(s: &RingShape) -> Option<RingPlan> {
     let tile_chunks = [wc * s.state_size, s.v * s.state_size, s.k * s.state_size]
         .iter()
         .all(|b| b.is_multiple_of(16));
-    // fp32 pools: a whole-head tile per stage leaves one CTA per SM, measured slower than
-    // kda_step on the H200 (docs/performance.md); only when asked for
+    // fp32 pools by default only for decode-shaped calls (one new token): measured 3-8% faster
+    // than kda_step there, 8-11% slower for spec_verify (docs/performance.md)
     if s.ring_len == 0
-        || (s.state_size == 4 && !s.forced)
+        || (s.state_size == 4 && !s.forced && s.max_new != 1)
         || s.stochastic
         || !tile_chunks
         || !s.k.is_multiple_of(lk)
@@ -283,9 +283,9 @@ fn ring_plan(s: &RingShape) -> Option<RingPlan> {
     }
     let ks = s.k.next_multiple_of(4);
     let tokb = 2 * r16(s.k * isz) + r16(cw * isz);
-    let stage = r16(s.k * cw * s.state_size) + mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
+    let stage = mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
     let floats = (2 * mt + mq) * ks + mt * cw + 3 * RING_MAX_TOKENS;
-    let smem = 2 * stage + 4 * floats + 16;
+    let smem = r16(s.k * cw * s.state_size) + 2 * stage + 4 * floats + 16;
     (smem <= s.smem_optin).then_some(RingPlan {
         mt,
         mq,
@@ -386,9 +386,9 @@ impl CudaBackend {
 
     /// Chooses the kernel of calls with a ring: `Some(true)` the pipelined kernel `kda_ring`
     /// wherever the call fits it (nearest rounding, whole 16-byte tile rows, whole 4-byte token
-    /// rows, at most 16 pending and new tokens per sequence), `None` (the default) the same for
-    /// 2-byte pools only (where it was measured faster), `Some(false)` the one-unit-per-CTA
-    /// kernel `kda_step`. Both give the same bits.
+    /// rows, at most 16 pending and new tokens per sequence), `None` (the default) the same but
+    /// for fp32 pools only with one new token per sequence (where it was measured faster),
+    /// `Some(false)` the one-unit-per-CTA kernel `kda_step`. Both give the same bits.
     pub fn set_ring_pipelined(&self, on: Option<bool>) -> Result<()> {
         *self.ring_pipelined.lock() = on;
         Ok(())
@@ -1039,7 +1039,10 @@ mod tests {
         assert_eq!((p.mt, p.mq, p.gran, p.vblocks), (9, 1, 8, 1));
         let p = ring_plan(&ring_shape(2, 8, 1)).expect("fp16 ring 8");
         assert_eq!((p.mt, p.vblocks), (9, 1));
-        // two CTAs (16 warps) per SM for a 2-byte pool (228 KiB per SM, 1 KiB reserved per CTA)
+        // two CTAs (16 warps) per SM, fp32 included: one tile buffer (228 KiB per SM, 1 KiB
+        // reserved per CTA)
+        assert!(2 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
+        let p = ring_plan(&ring_shape(4, 8, 1)).unwrap();
         assert!(2 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
         // spec T = 4 with ring 10 (either layout: the plan does not depend on it)
         let p = ring_plan(&ring_shape(2, 10, 4)).expect("spec T = 4");
@@ -1056,10 +1059,23 @@ mod tests {
         let mut s = ring_shape(2, 4, 1);
         s.stochastic = true;
         assert_eq!(ring_plan(&s), None, "stochastic rounding: kda_step");
-        let mut s = ring_shape(4, 8, 1);
+        let mut s = ring_shape(4, 8, 4);
         s.forced = false;
-        assert_eq!(ring_plan(&s), None, "fp32 pools: kda_step unless asked for");
+        assert_eq!(
+            ring_plan(&s),
+            None,
+            "fp32 spec_verify: kda_step unless asked for"
+        );
+        s.max_new = 0;
+        assert_eq!(
+            ring_plan(&s),
+            None,
+            "fp32 replay: kda_step unless asked for"
+        );
+        s.max_new = 1;
+        assert!(ring_plan(&s).is_some(), "fp32 decode: kda_ring by default");
         s.state_size = 2;
+        s.max_new = 4;
         assert!(ring_plan(&s).is_some(), "2-byte pools: kda_ring by default");
         assert_eq!(ring_plan(&ring_shape(2, 12, 5)), None, "17 tokens per item");
         let mut s = ring_shape(2, 4, 1);
