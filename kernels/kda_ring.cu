@@ -224,6 +224,23 @@ struct RingArrival {
     bool copy; // a commit with new tokens: the last item's CTA writes the entries
 };
 
+// Thread 0, once the previous item's arrival is known (`last`: it was the slot's last item):
+// the slot's new record, and (s_copy; KDA_NONE otherwise) the entries a commit left to write.
+__device__ __forceinline__ void ring_settle(const RingArrival& prev, bool last, kda_u32* metas, kda_u32* s_copy) {
+    s_copy[0] = KDA_NONE;
+    if (prev.slot != KDA_NONE && last) {
+        kda_u32* m = metas + (size_t)prev.slot * 4;
+        m[0] = prev.new_len;
+        m[1] = prev.new_pending;
+        m[2] = 0u;
+        if (prev.copy) {
+            s_copy[0] = prev.slot;
+            s_copy[1] = prev.bos;
+            s_copy[2] = prev.nnew;
+        }
+    }
+}
+
 } // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParams p) {
@@ -411,18 +428,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         }
         // 4) arrival (thread 0): look at the previous item's, then arrive for this one
         if (threadIdx.x == 0) {
-            s_copy[0] = KDA_NONE;
-            if (s_prev.slot != KDA_NONE && prev_old == per_seq - 1) {
-                kda_u32* m = metas + (size_t)s_prev.slot * 4;
-                m[0] = s_prev.new_len;
-                m[1] = s_prev.new_pending;
-                m[2] = 0u;
-                if (s_prev.copy) {
-                    s_copy[0] = s_prev.slot;
-                    s_copy[1] = s_prev.bos;
-                    s_copy[2] = s_prev.nnew;
-                }
-            }
+            ring_settle(s_prev, prev_old == per_seq - 1, metas, s_copy);
             // No fence: this item's reads of the record and of the ring entries are complete (their
             // values were used above), which is all the last item's writes must come after.
             prev_old = atomicAdd(metas + (size_t)me.slot * 4 + 2, 1u);
@@ -451,18 +457,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     if (s_copy[0] != KDA_NONE) ring_commit_copy(p, s_copy[0], s_copy[1], s_copy[2]);
     __syncthreads();
     if (threadIdx.x == 0) {
-        s_copy[0] = KDA_NONE;
-        if (s_prev.slot != KDA_NONE && prev_old == per_seq - 1) {
-            kda_u32* m = metas + (size_t)s_prev.slot * 4;
-            m[0] = s_prev.new_len;
-            m[1] = s_prev.new_pending;
-            m[2] = 0u;
-            if (s_prev.copy) {
-                s_copy[0] = s_prev.slot;
-                s_copy[1] = s_prev.bos;
-                s_copy[2] = s_prev.nnew;
-            }
-        }
+        ring_settle(s_prev, prev_old == per_seq - 1, metas, s_copy);
     }
     __syncthreads();
     if (s_copy[0] != KDA_NONE) ring_commit_copy(p, s_copy[0], s_copy[1], s_copy[2]);

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding, StateLayout};
 
 use super::memory::{CudaBuffer, CudaMemory};
@@ -513,6 +513,27 @@ impl CudaBackend {
         Ok(plan.slots.iter().map(|&s| all[s as usize]).collect())
     }
 
+    /// Opts a persistent kernel in to `smem` bytes of dynamic shared memory and returns its grid:
+    /// the CTAs of `threads` threads that fit on all multiprocessors at once.
+    fn persistent_grid(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        threads: usize,
+        smem: usize,
+    ) -> Result<usize> {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| device_err(&format!("{name} shared memory"), e))?;
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+            .map_err(|e| device_err(&format!("{name} occupancy"), e))?
+            .max(1) as usize;
+        Ok(per_sm * self.num_sms as usize)
+    }
+
     /// Validates, then launches one kernel. `exact`: read the ring records and accepted
     /// counts back and validate them on the host (the [`Backend`] methods).
     fn run(&self, call: Call<'_, '_>, layer: &mut LayerMut<'_, Buf>, exact: bool) -> Result<()> {
@@ -672,37 +693,13 @@ impl CudaBackend {
             None if ring_pipe.is_some() => {
                 let rp = ring_pipe.expect("checked");
                 let f = ring_kernel(&self.ctx, key)?;
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    rp.smem as i32,
-                )
-                .map_err(|e| device_err("kda_ring shared memory", e))?;
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(
-                        RING_THREADS as u32,
-                        rp.smem,
-                        None,
-                    )
-                    .map_err(|e| device_err("kda_ring occupancy", e))?
-                    .max(1) as usize;
-                (f, rp.smem, Some(per_sm * self.num_sms as usize))
+                let grid = self.persistent_grid(&f, "kda_ring", RING_THREADS, rp.smem)?;
+                (f, rp.smem, Some(grid))
             }
             Some(pl) => {
                 let f = eager_kernel(&self.ctx, key)?;
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    pl.smem as i32,
-                )
-                .map_err(|e| device_err("kda_eager shared memory", e))?;
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(
-                        (pl.warps * 32) as u32,
-                        pl.smem,
-                        None,
-                    )
-                    .map_err(|e| device_err("kda_eager occupancy", e))?
-                    .max(1) as usize;
-                (f, pl.smem, Some(per_sm * self.num_sms as usize))
+                let grid = self.persistent_grid(&f, "kda_eager", pl.warps * 32, pl.smem)?;
+                (f, pl.smem, Some(grid))
             }
             None => (func, 0, None),
         };
