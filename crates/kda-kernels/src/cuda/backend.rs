@@ -101,6 +101,27 @@ fn warp_columns(k: usize) -> usize {
     (32 / lk) * 4
 }
 
+/// Whether the pipelined kernels (`kda_eager`, `kda_ring`) can copy a state tile of key dim
+/// `k`, value dim `v` and `state_size`-byte elements, and its dt_bias row, in whole 16-byte
+/// chunks into shared memory and read it back with `kda_step`'s lane mapping (LK, RG, WC of
+/// `kernels/kda_decode.cu`).
+fn tile_fits(k: usize, v: usize, state_size: usize) -> bool {
+    let lk = k.div_ceil(16).next_power_of_two().min(32);
+    let sv = 16 / state_size;
+    let rg = if k.is_multiple_of(sv) { sv } else { 1 };
+    k.is_multiple_of(lk)
+        && (k / lk).is_multiple_of(rg)
+        && v.is_multiple_of(4)
+        && [
+            warp_columns(k) * state_size,
+            v * state_size,
+            k * state_size,
+            k * 4,
+        ]
+        .iter()
+        .all(|b| b.is_multiple_of(16))
+}
+
 /// Pipeline stages of the pipelined eager kernel unless set.
 const DEFAULT_EAGER_STAGES: usize = 2;
 
@@ -143,26 +164,11 @@ struct EagerPlan {
 /// constants of `kernels/kda_decode.cu` (LK, TK, RG, WC, `EagerStage`).
 fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
-    let lk = e.k.div_ceil(16).next_power_of_two().min(32);
     let wc = warp_columns(e.k);
-    let sv = 16 / e.state_size;
-    let rg = if e.k.is_multiple_of(sv) { sv } else { 1 };
-    let whole_chunks = [
-        wc * e.state_size,
-        e.v * e.state_size,
-        e.k * e.state_size,
-        e.k * e.input_size,
-        wc * e.input_size,
-        e.v * e.input_size,
-        e.k * 4,
-    ]
-    .iter()
-    .all(|b| b.is_multiple_of(16));
-    if !e.k.is_multiple_of(lk)
-        || !(e.k / lk).is_multiple_of(rg)
-        || !e.v.is_multiple_of(4)
-        || !whole_chunks
-    {
+    let inputs_whole = [e.k * e.input_size, wc * e.input_size, e.v * e.input_size]
+        .iter()
+        .all(|b| b.is_multiple_of(16));
+    if !tile_fits(e.k, e.v, e.state_size) || !inputs_whole {
         return None;
     }
     let wph = e.v.div_ceil(wc);
@@ -237,47 +243,33 @@ const RING_THREADS: usize = 256;
 /// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
 const RING_MAX_TOKENS: usize = 16;
 
-/// The launch of `kda_ring`, or `None` where the call does not fit it (fp32 pools beyond
-/// decode unless asked for, stochastic rounding, tiles that are not whole 16-byte copies, token rows that are not
-/// whole 4-byte copies, too many tokens per item, too much shared memory): then `kda_step`
-/// runs. Mirrors `RingLayout` and the constants of `kernels/kda_ring.cu` (an item is eight
+/// The launch of `kda_ring`, or `None` where the call does not fit it (fp32 pools beyond decode
+/// unless asked for, stochastic rounding, tiles that are not whole 16-byte copies, token rows
+/// that are not whole 4-byte copies, too many tokens per item, too much shared memory): then
+/// `kda_step` runs. Mirrors `RingLayout` and the constants of `kernels/kda_ring.cu` (an item is eight
 /// warps of `kda_step`'s lane mapping).
 fn ring_plan(s: &RingShape) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
-    let lk = s.k.div_ceil(16).next_power_of_two().min(32);
-    let wc = warp_columns(s.k);
-    let cw = (RING_THREADS / 32) * wc;
-    let sv = 16 / s.state_size;
-    let rg = if s.k.is_multiple_of(sv) { sv } else { 1 };
+    let cw = (RING_THREADS / 32) * warp_columns(s.k);
     let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
-    let tile_chunks = [wc * s.state_size, s.v * s.state_size, s.k * s.state_size]
-        .iter()
-        .all(|b| b.is_multiple_of(16));
     // fp32 pools by default only for decode-shaped calls (one new token): measured 3-8% faster
     // than kda_step there, 8-11% slower for spec_verify (docs/performance.md)
     if s.ring_len == 0
         || (s.state_size == 4 && !s.forced && s.max_new != 1)
         || s.stochastic
-        || !tile_chunks
-        || !s.k.is_multiple_of(lk)
-        || !(s.k / lk).is_multiple_of(rg)
-        || !s.v.is_multiple_of(4)
-        || !(s.k * 4).is_multiple_of(16)
+        || !tile_fits(s.k, s.v, s.state_size)
         || mt > RING_MAX_TOKENS
     {
         return None;
     }
     let isz = s.input_size;
     let entry = (s.h * s.k + s.hv * s.v + s.hv * s.k + s.hv) * isz;
+    // the largest power of two <= 16 dividing every row size and offset
     let gran = [entry, s.k * isz, s.v * isz, cw * isz]
         .iter()
-        .fold(16usize, |g, &q| {
-            let mut g = g;
-            while g > 1 && !q.is_multiple_of(g) {
-                g /= 2;
-            }
-            g
-        });
+        .map(|q| 1usize << q.trailing_zeros().min(4))
+        .min()
+        .unwrap_or(16);
     if gran < 4 {
         return None;
     }
@@ -689,19 +681,18 @@ impl CudaBackend {
         } else {
             None
         };
-        let (func, smem, grid_cap) = match pipe {
-            None if ring_pipe.is_some() => {
-                let rp = ring_pipe.expect("checked");
-                let f = ring_kernel(&self.ctx, key)?;
-                let grid = self.persistent_grid(&f, "kda_ring", RING_THREADS, rp.smem)?;
-                (f, rp.smem, Some(grid))
-            }
-            Some(pl) => {
+        let (func, smem, grid_cap) = match (pipe, ring_pipe) {
+            (Some(pl), _) => {
                 let f = eager_kernel(&self.ctx, key)?;
                 let grid = self.persistent_grid(&f, "kda_eager", pl.warps * 32, pl.smem)?;
                 (f, pl.smem, Some(grid))
             }
-            None => (func, 0, None),
+            (None, Some(rp)) => {
+                let f = ring_kernel(&self.ctx, key)?;
+                let grid = self.persistent_grid(&f, "kda_ring", RING_THREADS, rp.smem)?;
+                (f, rp.smem, Some(grid))
+            }
+            (None, None) => (func, 0, None),
         };
         let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
             (g.hv, 1usize, pl.vblocks, pl.warps)
