@@ -420,13 +420,19 @@ __device__ __forceinline__ float act_beta(float b, const KdaParams& p) {
     return (p.beta_sigmoid ? sigmoid(b) : b) * p.beta_factor;
 }
 
+// Elements of one ring entry: one token's k rows of every q/k head, then v, g rows and betas of
+// every value head (geometry.rs, `ring_entry_offsets`).
+__device__ __forceinline__ size_t ring_entry_elems(const KdaParams& p) {
+    return (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+}
+
 // Activates the tokens [t0, t0 + tc) of the combined sequence (pending ring entries, then the
 // new tokens) into shared memory: one warp per token.
 __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan& pl, kda_u32 slot,
                                         kda_u32 bos, int hv, int h, int t0, int tc, int cbeg, int cend,
                                         float a_exp) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+    const size_t entry = ring_entry_elems(p);
     for (int t = warp; t < tc; t += nwarps) {
         const kda_u32 tt = (kda_u32)(t0 + t);
         const bool fresh = tt >= pl.pend;
@@ -539,7 +545,7 @@ __device__ __forceinline__ void ring_finish(const KdaParams& p, const Plan& pl, 
         // followed by a barrier), and no other CTA reads the data written here.
         if (pl.append_at != KDA_NONE && nnew > 0) {
             __syncthreads();
-            const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+            const size_t entry = ring_entry_elems(p);
             const int h = (int)unit;
             const int hv0 = h * (int)p.heads_per_cta, hpc = (int)p.heads_per_cta;
             IT* ring = reinterpret_cast<IT*>(p.ring);
@@ -591,7 +597,7 @@ __device__ __forceinline__ void prefetch_prepass(const KdaParams& p, kda_u32 slo
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const size_t hpc = p.heads_per_cta, hv0 = (size_t)unit * hpc;
     const size_t h = hv0 / (p.hv / p.h);
-    const size_t entry = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+    const size_t entry = ring_entry_elems(p);
     const int ents = (int)min(p.ring_len, (kda_u32)TC), toks = (int)min(nnew, (kda_u32)TC);
     const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
     for (int sg = warp; sg < 4 * ents + 5 * toks; sg += nwarps) {
@@ -853,9 +859,15 @@ template <> __device__ __forceinline__ float beta_from_word<float>(kda_u32 w, in
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
     *reinterpret_cast<kda_u32*>(dst) = *reinterpret_cast<const kda_u32*>(src);
 }
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+}
 #else
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 #endif
 

@@ -84,16 +84,6 @@ __device__ __forceinline__ RingItem ring_lookup(const KdaParams& p, kda_u32 item
     return it;
 }
 
-#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
-}
-#else
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-#endif
-
 // The lanes of a warp copy `bytes` (a multiple of gran) from src to dst, gran bytes at a time.
 __device__ __forceinline__ void copy_row(unsigned char* dst, const void* src, int bytes, int gran, int lane) {
     const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
@@ -104,10 +94,6 @@ __device__ __forceinline__ void copy_row(unsigned char* dst, const void* src, in
     } else {
         for (int j = 4 * lane; j < bytes; j += 4 * 32) cp_async4(dst + j, s + j);
     }
-}
-
-__device__ __forceinline__ size_t ring_entry_elems(const KdaParams& p) {
-    return (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
 }
 
 // Whether an item has anything to compute (new tokens or a store).
