@@ -43,6 +43,11 @@
 #define KDA_VFIRST 0
 #endif
 
+// A divisor's constants for kda_div.
+struct KdaDiv {
+    kda_u32 m, s;
+};
+
 // Must match crates/kda-kernels/src/cuda/params.rs field for field.
 struct KdaParams {
     kda_u64 q, k, v, g, beta;        // [T,H,K] [T,H,K] [T,HV,V] [T,HV,K] [T,HV] of KDA_IT
@@ -66,7 +71,16 @@ struct KdaParams {
     kda_u32 ring_spare;              // zero
     kda_u32 ring_gran;               // kda_ring: bytes per cp.async of token rows (4, 8 or 16)
     kda_u32 ring_mq;                 // kda_ring: most new tokens of a sequence
+    KdaDiv div_seq;                  // by units * vblocks (CTA units or items per sequence)
+    KdaDiv div_vb;                   // by vblocks
+    KdaDiv div_grp;                  // by the GVA group hv / h
 };
+
+// n / d for a divisor d fixed per launch: m, s from the host (`FastDiv` in params.rs), so an
+// item's coordinates cost a multiply-high, an add and a shift instead of a division routine.
+__device__ __forceinline__ kda_u32 kda_div(kda_u32 n, KdaDiv d) {
+    return (kda_u32)(((kda_u64)__umulhi(n, d.m) + n) >> d.s);
+}
 
 #define KDA_OP_DECODE 0u
 #define KDA_OP_SPEC 1u
@@ -654,9 +668,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const int lk = lane / LV, lv = lane % LV;
     const kda_u32 per_seq = p.units * p.vblocks;
-    const kda_u32 n = blockIdx.x / per_seq;
-    const kda_u32 rem = blockIdx.x % per_seq;
-    const kda_u32 unit = rem / p.vblocks, vb = rem % p.vblocks;
+    const kda_u32 n = kda_div(blockIdx.x, p.div_seq);
+    const kda_u32 rem = blockIdx.x - n * per_seq;
+    const kda_u32 unit = kda_div(rem, p.div_vb), vb = rem - unit * p.vblocks;
     const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
     const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
     const kda_u32 bos = bounds[n];
@@ -828,14 +842,15 @@ struct EagerItem {
 };
 
 // The sequence of an item.
-__device__ __forceinline__ kda_u32 eager_seq(const KdaParams& p, kda_u32 item) { return item / (p.hv * p.vblocks); }
+__device__ __forceinline__ kda_u32 eager_seq(const KdaParams& p, kda_u32 item) { return kda_div(item, p.div_seq); }
 
 // An item from its index and its sequence's slot and token index (looked up beforehand).
 __device__ __forceinline__ EagerItem eager_item(const KdaParams& p, kda_u32 item, kda_u32 slot, kda_u32 tok) {
-    const kda_u32 rem = item % (p.hv * p.vblocks);
+    const kda_u32 rem = item - eager_seq(p, item) * (p.hv * p.vblocks);
+    const kda_u32 hv = kda_div(rem, p.div_vb);
     EagerItem it;
-    it.hv = (int)(rem / p.vblocks);
-    it.cb = (int)(rem % p.vblocks) * ((int)(blockDim.x >> 5) * WC);
+    it.hv = (int)hv;
+    it.cb = (int)(rem - hv * p.vblocks) * ((int)(blockDim.x >> 5) * WC);
     it.slot = slot;
     it.tok = tok;
     it.beta_off = 0;
@@ -908,7 +923,7 @@ __device__ __forceinline__ void tile_issue(unsigned char* dst, const ST* head, i
 __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage& L, const KdaParams& p,
                                             EagerItem& it, int cw) {
     const int cwv = cmin(cw, V - it.cb); // valid columns (a multiple of 16 bytes' worth)
-    const int h = it.hv / (int)(p.hv / p.h);
+    const int h = (int)kda_div((kda_u32)it.hv, p.div_grp);
     const IT* q = reinterpret_cast<const IT*>(p.q) + ((size_t)it.tok * p.h + h) * K;
     const IT* k = reinterpret_cast<const IT*>(p.k) + ((size_t)it.tok * p.h + h) * K;
     const IT* g = reinterpret_cast<const IT*>(p.g) + ((size_t)it.tok * p.hv + it.hv) * K;

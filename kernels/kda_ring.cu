@@ -62,13 +62,14 @@ struct RingItem {
     Plan pl;
 };
 
-__device__ __forceinline__ kda_u32 ring_seq(const KdaParams& p, kda_u32 item) { return item / (p.hv * p.vblocks); }
+__device__ __forceinline__ kda_u32 ring_seq(const KdaParams& p, kda_u32 item) { return kda_div(item, p.div_seq); }
 
 __device__ __forceinline__ void ring_coords(const KdaParams& p, kda_u32 item, RingItem& it) {
-    const kda_u32 rem = item % (p.hv * p.vblocks);
     it.n = ring_seq(p, item);
-    it.hv = (int)(rem / p.vblocks);
-    it.cb = (int)(rem % p.vblocks) * RCW;
+    const kda_u32 rem = item - it.n * (p.hv * p.vblocks);
+    const kda_u32 hv = kda_div(rem, p.div_vb);
+    it.hv = (int)hv;
+    it.cb = (int)(rem - hv * p.vblocks) * RCW;
 }
 
 // An item with its loads waited for here (thread 0 only: the plan may record errors).
@@ -112,7 +113,7 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
         return;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int h = it.hv / (int)(p.hv / p.h);
+    const int h = (int)kda_div((kda_u32)it.hv, p.div_grp);
     const int cwv = cmin(RCW, V - it.cb);
     const size_t entry = ring_entry_elems(p);
     const size_t ok = (size_t)h * K, ov = (size_t)p.h * K + (size_t)it.hv * V + it.cb,
@@ -378,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
             // entries: no item of this call reads them)
             if (!store && me.pl.append_at != KDA_NONE && nnew > 0) {
                 IT* ring = reinterpret_cast<IT*>(p.ring) + (size_t)me.slot * p.ring_len * entry;
-                const int h = me.hv / group;
+                const int h = (int)kda_div((kda_u32)me.hv, p.div_grp);
                 const size_t ok = (size_t)h * K, ov = (size_t)p.h * K + (size_t)me.hv * V + me.cb,
                              og = (size_t)p.h * K + (size_t)p.hv * V + (size_t)me.hv * K,
                              ob = (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + me.hv;
@@ -390,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
                         const IT* rk = reinterpret_cast<const IT*>(row);
                         const IT* rg = reinterpret_cast<const IT*>(row + RK);
                         for (int x = (int)threadIdx.x; x < K; x += RT) {
-                            if (me.hv % group == 0) e[ok + x] = rk[x];
+                            if (me.hv == h * group) e[ok + x] = rk[x];
                             e[og + x] = rg[x];
                         }
                         if (threadIdx.x == 0) e[ob] = KdaElem<IT>::from_f32(braw_s[stage * MTC + t]);

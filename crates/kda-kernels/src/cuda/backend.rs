@@ -21,7 +21,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding, StateLayout};
 
 use super::memory::{CudaBuffer, CudaMemory};
-use super::params::{KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT};
+use super::params::{
+    FastDiv, KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT,
+};
 use super::registry::{eager_kernel, ring_kernel, step_kernel, StepKey};
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
@@ -775,6 +777,9 @@ impl CudaBackend {
             ring_spare: 0,
             ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
             ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
+            div_seq: FastDiv::new((units * vblocks) as u32),
+            div_vb: FastDiv::new(vblocks as u32),
+            div_grp: FastDiv::new(g.group() as u32),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),

@@ -65,13 +65,94 @@ pub(crate) struct KdaParams {
     pub ring_gran: u32,
     /// `kda_ring`: most new tokens of one sequence.
     pub ring_mq: u32,
+    /// Division by the CTA units (or items) per sequence, `units * vblocks`.
+    pub div_seq: FastDiv,
+    /// Division by `vblocks`.
+    pub div_vb: FastDiv,
+    /// Division by the GVA group, `hv / h`.
+    pub div_grp: FastDiv,
 }
 
-const _: () = assert!(std::mem::size_of::<KdaParams>() == 15 * 8 + 24 * 4);
+const _: () = assert!(std::mem::size_of::<KdaParams>() == 15 * 8 + 30 * 4);
+
+/// Division of a `u32` by a divisor fixed for a launch as a multiply-high, an add and a shift
+/// (`struct KdaDiv` and `kda_div` in `kernels/kda_decode.cu`): for `d >= 1`, `s = ceil(log2
+/// d)` and `m = floor(2^32 (2^s - d) / d) + 1`, `n / d = (mulhi(n, m) + n) >> s` for every
+/// `u32` n, the sum taken in 64 bits (Granlund and Montgomery, 1994).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct FastDiv {
+    /// The multiplier `m`.
+    pub m: u32,
+    /// The shift `s`.
+    pub s: u32,
+}
+
+impl FastDiv {
+    /// The constants for divisor `d` (`d == 0` is treated as 1: no kernel divides by 0).
+    pub fn new(d: u32) -> Self {
+        let d = u64::from(d.max(1));
+        let s = 64 - (d - 1).leading_zeros();
+        let m = ((1u64 << 32) * ((1u64 << s) - d) / d + 1) as u32;
+        Self { m, s }
+    }
+
+    /// `n / d` the way the kernels compute it.
+    #[cfg(test)]
+    pub fn div(self, n: u32) -> u32 {
+        let hi = (u64::from(n) * u64::from(self.m)) >> 32;
+        ((hi + u64::from(n)) >> self.s) as u32
+    }
+}
 
 // SAFETY: KdaParams is a plain `repr(C)` struct of u64/u32/f32 fields with no padding (checked
 // above), laid out exactly like the kernel's `struct KdaParams`; it is passed by value.
 unsafe impl cudarc::driver::DeviceRepr for KdaParams {}
+
+#[cfg(test)]
+mod tests {
+    use super::FastDiv;
+
+    #[test]
+    fn fast_division_equals_integer_division() {
+        let mut x = 0x9e37_79b9u32;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        let random: Vec<u32> = (0..2000).map(|_| next()).collect();
+        let divisors = (1..=4096u32)
+            .chain([
+                65_535,
+                65_536,
+                65_537,
+                1 << 31,
+                (1 << 31) + 1,
+                u32::MAX - 1,
+                u32::MAX,
+            ])
+            .chain(random)
+            .filter(|&d| d > 0);
+        for d in divisors {
+            let f = FastDiv::new(d);
+            let edges = [
+                0,
+                1,
+                d - 1,
+                d,
+                d.wrapping_add(1),
+                u32::MAX,
+                u32::MAX - 1,
+                u32::MAX / d * d,
+            ];
+            for n in edges.into_iter().chain((0..200).map(|_| next())) {
+                assert_eq!(f.div(n), n / d, "{n} / {d}");
+            }
+        }
+    }
+}
 
 /// Parameters of the `kda_fill` kernel (`struct KdaFill` in `kernels/kda_fill.cu`).
 #[repr(C)]
