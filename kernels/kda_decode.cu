@@ -752,8 +752,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
 // work items (sequence, value head, block of V columns), item = blockIdx.x + i * gridDim.x. The
 // state tile and the raw token inputs of the NEXT item are copied into shared memory with
 // cp.async S - 1 items ahead of the one being computed (S = 2 or 3 stages), so the loads stay
-// in flight between items; the slot and token index are looked up one item further ahead, so no
-// copy waits on them.
+// in flight between items; the slot is looked up one item further ahead, so no copy waits on it
+// (the token of sequence n is token n: no lookup).
 // The per-token activations are split over the warps (key, query, decays over the threads
 // of the other warps) and read from shared memory. The math is the token_step of kda_step with the same lane mapping, so an fp32 pool
 // gives the same bits on either kernel. The host picks this kernel only where every copy is
@@ -841,27 +841,28 @@ struct EagerItem {
     int beta_off;      // byte offset of the raw beta inside its aligned 4-byte word
 };
 
-// The sequence of an item.
+// The sequence of an item, and its token: eager decode takes exactly one token per sequence
+// (the host checks), so token n is sequence n's and its inputs need no lookup.
 __device__ __forceinline__ kda_u32 eager_seq(const KdaParams& p, kda_u32 item) { return kda_div(item, p.div_seq); }
 
-// An item from its index and its sequence's slot and token index (looked up beforehand).
-__device__ __forceinline__ EagerItem eager_item(const KdaParams& p, kda_u32 item, kda_u32 slot, kda_u32 tok) {
-    const kda_u32 rem = item - eager_seq(p, item) * (p.hv * p.vblocks);
+// An item from its index and its sequence's slot (looked up beforehand).
+__device__ __forceinline__ EagerItem eager_item(const KdaParams& p, kda_u32 item, kda_u32 slot) {
+    const kda_u32 n = eager_seq(p, item);
+    const kda_u32 rem = item - n * (p.hv * p.vblocks);
     const kda_u32 hv = kda_div(rem, p.div_vb);
     EagerItem it;
     it.hv = (int)hv;
     it.cb = (int)(rem - hv * p.vblocks) * ((int)(blockDim.x >> 5) * WC);
     it.slot = slot;
-    it.tok = tok;
+    it.tok = n;
     it.beta_off = 0;
     return it;
 }
 
-// An item, its slot and token index loaded now (the loads are waited for here).
+// An item, its slot loaded now (the load is waited for where the slot is used: the tile copy,
+// issued after the inputs' copies).
 __device__ __forceinline__ EagerItem eager_lookup(const KdaParams& p, kda_u32 item) {
-    const kda_u32 n = eager_seq(p, item);
-    return eager_item(p, item, reinterpret_cast<const kda_u32*>(p.slots)[n],
-                      reinterpret_cast<const kda_u32*>(p.bounds)[n]);
+    return eager_item(p, item, reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)]);
 }
 
 // The raw beta held at byte offset `off` of an aligned 4-byte word, as f32.
@@ -1034,14 +1035,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         cp_async_commit();
         issued += grid;
     }
-    // The slot and token index of the next item to issue: loaded by thread 0 one item ahead,
-    // published through shared memory at the end of an item (no thread waits on the loads).
-    __shared__ kda_u32 s_next[2];
-    if (threadIdx.x == 0 && issued < total) {
-        const kda_u32 n = eager_seq(p, issued);
-        s_next[0] = reinterpret_cast<const kda_u32*>(p.slots)[n];
-        s_next[1] = reinterpret_cast<const kda_u32*>(p.bounds)[n];
-    }
+    // The slot of the next item to issue: loaded by thread 0 one item ahead, published through
+    // shared memory at the end of an item (no thread waits on the load).
+    __shared__ kda_u32 s_next;
+    if (threadIdx.x == 0 && issued < total) s_next = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, issued)];
 
     for (int i = 0; item < total; item += grid, ++i) {
         const int stage = i % S;
@@ -1055,18 +1052,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         __syncthreads();
         const EagerItem me = s_items[stage];
         // Every warp is done with the previous item (this barrier), whose stage is refilled now.
-        kda_u32 next_slot = 0, next_tok = 0; // thread 0: the lookup of the item after it
+        kda_u32 next_slot = 0; // thread 0: the lookup of the item after it
         if (issued < total) {
             const int js = (i + S - 1) % S;
-            EagerItem nxt = eager_item(p, issued, s_next[0], s_next[1]);
+            EagerItem nxt = eager_item(p, issued, s_next);
             eager_issue(dsm + (size_t)js * L.bytes, L, p, nxt, cw);
             if (threadIdx.x == 0) s_items[js] = nxt;
             issued += grid;
-            if (threadIdx.x == 0 && issued < total) {
-                const kda_u32 n = eager_seq(p, issued);
-                next_slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
-                next_tok = reinterpret_cast<const kda_u32*>(p.bounds)[n];
-            }
+            if (threadIdx.x == 0 && issued < total)
+                next_slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, issued)];
         } else {
             cp_async_commit();
         }
@@ -1118,10 +1112,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         // the copies into this stage are issued again only after the next iteration's first
         // barrier, which every warp reaches after its reads of this stage; s_next was read by
         // every thread before the barrier above.
-        if (threadIdx.x == 0) {
-            s_next[0] = next_slot;
-            s_next[1] = next_tok;
-        }
+        if (threadIdx.x == 0) s_next = next_slot;
     }
     cp_async_wait<0>();
 }
