@@ -68,7 +68,7 @@ struct KdaParams {
     kda_u32 vblocks;                 // CTAs per unit along V (1 with a ring)
     kda_u32 stages;                  // kda_eager: pipeline stages (2 or 3)
     kda_u32 ring_mt;                 // kda_ring: token rows per stage (ring_len + most new tokens)
-    kda_u32 ring_spare;              // zero
+    kda_u32 eager_stage_store;       // kda_eager: 1 where a 2-byte K-first tile goes out through its stage
     kda_u32 ring_gran;               // kda_ring: bytes per cp.async of token rows (4, 8 or 16)
     kda_u32 ring_mq;                 // kda_ring: most new tokens of a sequence
     KdaDiv div_seq;                  // by units * vblocks (CTA units or items per sequence)
@@ -1000,6 +1000,55 @@ __device__ __forceinline__ void tile_from_stage(const ST* t, int lk, int col0l, 
     }
 }
 
+// K-first: the lane's rounded tile back into the stage, at the (swizzled) places
+// tile_from_stage read it from, so each element is written by the thread that read it; rows
+// past K are not written. col0: the lane's first column in the head (the stochastic stream's
+// element offsets).
+template <bool SR>
+__device__ __forceinline__ void tile_to_stage(ST* t, int lk, int col0l, int cwv, int cw, int col0,
+                                              const float (&s)[TK][TV], kda_u32 base, kda_u32 elem0) {
+    if (col0l >= cwv) return;
+    const int cpr = cw * (int)sizeof(ST) / 16;
+    const int byte0 = col0l * (int)sizeof(ST);
+    const int colsw = ((((byte0 >> 4) ^ (int)kf_swizzle(row_of(lk, 0), kf_swizzle_mask(cpr))) << 4) | (byte0 & 15)) / (int)sizeof(ST);
+#pragma unroll
+    for (int r = 0; r < TK; ++r) {
+        const int kr = row_of(lk, r);
+        if (kr >= K) continue;
+        ST* d = t + (size_t)kr * cw + colsw;
+        if constexpr (!SR && sizeof(ST) == 2 && TV == 4) {
+            *reinterpret_cast<uint2*>(d) =
+                make_uint2(kda_pack2_rn<ST>(s[r][0], s[r][1]), kda_pack2_rn<ST>(s[r][2], s[r][3]));
+        } else {
+            ST tmp[TV];
+#pragma unroll
+            for (int c = 0; c < TV; ++c)
+                tmp[c] = round_elem<SR>(s[r][c], base, elem0 + (kda_u32)(kr * V + col0 + c));
+            kda_store_vec<ST, TV>(d, tmp);
+        }
+    }
+}
+
+// K-first: the stage's tile (written by tile_to_stage) out to columns cb.. of the head, in the
+// 16-byte chunks tile_issue copied in (chunk o of row `row` sits at chunk o ^ kf_swizzle(row)).
+__device__ __forceinline__ void tile_copy_out(const unsigned char* src, ST* head, int cb, int cw, int cwv) {
+    constexpr int STEP = 512 / (WC * (int)sizeof(ST));
+    constexpr int NR = (K + STEP - 1) / STEP;
+    const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
+    const int o = (int)threadIdx.x % cpr, row0 = (int)threadIdx.x / cpr;
+    const kda_u32 mask = kf_swizzle_mask(cpr);
+    if (o >= cprv) return;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(head + (size_t)row0 * V + cb) + 16 * o;
+    const kda_u32 rb = (kda_u32)cw * sizeof(ST);
+#pragma unroll
+    for (int m = 0; m < NR; ++m) {
+        const kda_u32 row = (kda_u32)(row0 + m * STEP);
+        if (K % STEP == 0 || row < (kda_u32)K)
+            *reinterpret_cast<uint4*>(dst + (size_t)m * STEP * V * sizeof(ST)) =
+                *reinterpret_cast<const uint4*>(src + row * rb + 16u * ((kda_u32)o ^ kf_swizzle(row, mask)));
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p) {
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
@@ -1104,8 +1153,23 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
             store_out(reinterpret_cast<IT*>(p.out) + ((size_t)me.tok * p.hv + me.hv) * V + col0, o, col0);
         ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)me.slot * p.hv + me.hv) * ((size_t)K * V);
         const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
-        if (p.sr) {
-            store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, me.slot, p.epoch), elem0);
+        const kda_u32 sr_base = p.sr ? kda_sr_base(seed, p.layer, me.slot, p.epoch) : 0u;
+        bool via_stage = false;
+        if constexpr (!VFIRST && sizeof(ST) == 2) via_stage = p.eager_stage_store != 0u;
+        if (via_stage) {
+            // 2-byte K-first: a lane's row segments are 8 bytes; through the stage, every
+            // global store is a whole 16-byte chunk and a warp writes whole tile rows (the
+            // host asks for it with rows of 256 bytes, where it measured faster)
+            ST* t = reinterpret_cast<ST*>(st + L.tile);
+            if (p.sr) {
+                tile_to_stage<true>(t, lk, col0l, cwv, cw, col0, s, sr_base, elem0);
+            } else {
+                tile_to_stage<false>(t, lk, col0l, cwv, cw, col0, s, 0u, elem0);
+            }
+            __syncthreads();
+            tile_copy_out(st + L.tile, head, me.cb, cw, cwv);
+        } else if (p.sr) {
+            store_tile<true>(head, lk, col0, s, sr_base, elem0);
         } else {
             store_tile<false>(head, lk, col0, s, 0u, elem0);
         }

@@ -325,6 +325,21 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
             check_pipelined_eager_matches_blocked(&cu, &c, 3, 61);
         }
     }
+    // stochastic rounding of a K-first 2-byte pool, whole heads (8 warps: the tile goes back
+    // out through the stage) and 4 warps (from registers)
+    for warps in [8, 4] {
+        cu.set_eager_warps(Some(warps)).expect("warps");
+        let c = Case {
+            state_dtype: Dtype::Bf16,
+            input_dtype: Dtype::Bf16,
+            rounding: Rounding::Stochastic {
+                seed: 0x5eed_0000_0000_0011,
+            },
+            ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
+        };
+        check_pipelined_eager_matches_blocked(&cu, &c, 3, 60 + u64::from(warps));
+    }
+    cu.set_eager_warps(None).expect("warps");
     // narrower CTAs (more column blocks per head, more CTAs per SM), 2 and 3 stages
     for (warps, stages, state) in [
         (1, 2, Dtype::Fp32),

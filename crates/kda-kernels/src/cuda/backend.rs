@@ -159,7 +159,15 @@ struct EagerPlan {
     stages: usize,
     /// Dynamic shared memory (all stages), bytes.
     smem: usize,
+    /// Whether the updated tile goes back out through its stage (written there, then copied
+    /// out in whole 16-byte chunks) rather than from registers.
+    stage_store: bool,
 }
+
+/// Bytes of a tile row from which a 2-byte K-first pool writes its updated tile back through
+/// the stage (8 warps at V = 128). H200 A/B (docs/performance.md, sixth session): 5-11% faster
+/// with rows of 256 bytes, 6-9% slower with rows of 128 bytes (4 warps) and at N = 1.
+const STAGE_STORE_ROW_BYTES: usize = 256;
 
 /// The pipelined eager kernel's launch, or `None` where its 16-byte copies or its lane
 /// mapping do not fit the shape (then the one-item-per-CTA kernel runs). Mirrors the
@@ -204,6 +212,7 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             vblocks: wph.div_ceil(warps),
             stages,
             smem: stages * stage,
+            stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
         })
 }
 
@@ -774,7 +783,7 @@ impl CudaBackend {
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
-            ring_spare: 0,
+            eager_stage_store: u32::from(pipe.is_some_and(|pl| pl.stage_store)),
             ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
             ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
             div_seq: FastDiv::new((units * vblocks) as u32),
@@ -992,6 +1001,22 @@ mod tests {
         assert_eq!(plan(&shape(2, 2048, false)), (8, 1, 3));
         // 2-byte V-first: 4 warps, 2 stages whatever the size
         assert_eq!(plan(&shape(2, 3072, true)), (4, 2, 2));
+    }
+
+    #[test]
+    fn eager_plan_writes_whole_2_byte_k_first_heads_back_through_the_stage() {
+        let stage_store = |e: &EagerShape| eager_plan(e).expect("plan").stage_store;
+        // whole heads (rows of 256 bytes): through the stage
+        assert!(stage_store(&shape(2, 2048, false)));
+        // 4 warps (rows of 128 bytes), N = 1, V-first, fp32: from registers
+        assert!(!stage_store(&shape(2, 768, false)));
+        assert!(!stage_store(&shape(2, 12, false)));
+        assert!(!stage_store(&shape(2, 3072, true)));
+        assert!(!stage_store(&shape(4, 3072, false)));
+        // whole heads asked for: through the stage
+        let mut e = shape(2, 12, false);
+        e.fixed_warps = Some(8);
+        assert!(stage_store(&e));
     }
 
     #[test]
