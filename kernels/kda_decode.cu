@@ -956,17 +956,23 @@ __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage&
     tile_issue(st + L.tile, head, it.cb, cw, cwv);
 }
 
+// K-first: the column, in a stage's tile of cw columns, where the lane's first column col0l
+// sits. Every row of the lane has the swizzle of its group lk (kf_swizzle), and its TV columns
+// stay inside one 16-byte chunk.
+__device__ __forceinline__ int kf_stage_col(int lk, int col0l, int cw) {
+    const int cpr = cw * (int)sizeof(ST) / 16;
+    const int byte0 = col0l * (int)sizeof(ST);
+    return ((((byte0 >> 4) ^ (int)kf_swizzle(row_of(lk, 0), kf_swizzle_mask(cpr))) << 4) | (byte0 & 15)) /
+           (int)sizeof(ST);
+}
+
 // The lane's tile from a stage (cw columns starting at the item's first column; col0l: the
 // lane's first column relative to it). Columns at or past V read as 0.
 __device__ __forceinline__ void tile_from_stage(const ST* t, int lk, int col0l, int cwv, int cw,
                                                 float (&s)[TK][TV]) {
     const bool ok = col0l < cwv;
     if constexpr (!VFIRST) {
-        // the lane's rows all have the swizzle lk (kf_swizzle); its TV columns stay inside one
-        // 16-byte chunk
-        const int cpr = cw * (int)sizeof(ST) / 16;
-        const int byte0 = col0l * (int)sizeof(ST);
-        const int colsw = ((((byte0 >> 4) ^ (int)kf_swizzle(row_of(lk, 0), kf_swizzle_mask(cpr))) << 4) | (byte0 & 15)) / (int)sizeof(ST);
+        const int colsw = kf_stage_col(lk, col0l, cw);
 #pragma unroll
         for (int r = 0; r < TK; ++r) {
             const int kr = row_of(lk, r);
@@ -1008,9 +1014,7 @@ template <bool SR>
 __device__ __forceinline__ void tile_to_stage(ST* t, int lk, int col0l, int cwv, int cw, int col0,
                                               const float (&s)[TK][TV], kda_u32 base, kda_u32 elem0) {
     if (col0l >= cwv) return;
-    const int cpr = cw * (int)sizeof(ST) / 16;
-    const int byte0 = col0l * (int)sizeof(ST);
-    const int colsw = ((((byte0 >> 4) ^ (int)kf_swizzle(row_of(lk, 0), kf_swizzle_mask(cpr))) << 4) | (byte0 & 15)) / (int)sizeof(ST);
+    const int colsw = kf_stage_col(lk, col0l, cw);
 #pragma unroll
     for (int r = 0; r < TK; ++r) {
         const int kr = row_of(lk, r);
