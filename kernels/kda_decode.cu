@@ -68,7 +68,7 @@ struct KdaParams {
     kda_u32 vblocks;                 // CTAs per unit along V (1 with a ring)
     kda_u32 stages;                  // kda_eager: pipeline stages (2 or 3)
     kda_u32 ring_mt;                 // kda_ring: token rows per stage (ring_len + most new tokens)
-    kda_u32 eager_stage_store;       // kda_eager: 1 where a 2-byte K-first tile goes out through its stage
+    kda_u32 pad;                     // unused (no padding in the struct)
     kda_u32 ring_gran;               // kda_ring: bytes per cp.async of token rows (4, 8 or 16)
     kda_u32 ring_mq;                 // kda_ring: most new tokens of a sequence
     KdaDiv div_seq;                  // by units * vblocks (CTA units or items per sequence)
@@ -1053,8 +1053,13 @@ __device__ __forceinline__ void tile_copy_out(const unsigned char* src, ST* head
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p) {
-    extern __shared__ __align__(16) unsigned char dsm[];
+// The body of kda_eager and kda_eager_stage. VIA_STAGE (2-byte K-first only): the updated tile
+// goes back out through its stage, written there and copied out in whole 16-byte chunks, so a
+// warp writes whole tile rows; the host launches it for rows of 256 bytes, where it measured
+// faster. A compile-time choice: the runtime branch cost the register path 0.1-0.2 us at N = 1.
+template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaParams& p) {
+    // (named apart from kda_ring's dsm: one has C++ linkage, the other C)
+    extern __shared__ __align__(16) unsigned char eager_dsm[];
     __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
     __shared__ float abeta;
 
@@ -1080,7 +1085,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
     for (int j = 0; j < S - 1; ++j) {
         if (issued < total) {
             EagerItem it = eager_lookup(p, issued);
-            eager_issue(dsm + (size_t)j * L.bytes, L, p, it, cw);
+            eager_issue(eager_dsm + (size_t)j * L.bytes, L, p, it, cw);
             if (threadIdx.x == 0) s_items[j] = it;
         } else {
             cp_async_commit();
@@ -1095,7 +1100,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
 
     for (int i = 0; item < total; item += grid, ++i) {
         const int stage = i % S;
-        unsigned char* st = dsm + (size_t)stage * L.bytes;
+        unsigned char* st = eager_dsm + (size_t)stage * L.bytes;
         // this item's inputs (2 (S - 1) groups in flight, the oldest pair is this item's)
         if (S == 3) {
             cp_async_wait<3>();
@@ -1109,7 +1114,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         if (issued < total) {
             const int js = (i + S - 1) % S;
             EagerItem nxt = eager_item(p, issued, s_next);
-            eager_issue(dsm + (size_t)js * L.bytes, L, p, nxt, cw);
+            eager_issue(eager_dsm + (size_t)js * L.bytes, L, p, nxt, cw);
             if (threadIdx.x == 0) s_items[js] = nxt;
             issued += grid;
             if (threadIdx.x == 0 && issued < total)
@@ -1157,23 +1162,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
             store_out(reinterpret_cast<IT*>(p.out) + ((size_t)me.tok * p.hv + me.hv) * V + col0, o, col0);
         ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)me.slot * p.hv + me.hv) * ((size_t)K * V);
         const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
-        const kda_u32 sr_base = p.sr ? kda_sr_base(seed, p.layer, me.slot, p.epoch) : 0u;
-        bool via_stage = false;
-        if constexpr (!VFIRST && sizeof(ST) == 2) via_stage = p.eager_stage_store != 0u;
-        if (via_stage) {
-            // 2-byte K-first: a lane's row segments are 8 bytes; through the stage, every
-            // global store is a whole 16-byte chunk and a warp writes whole tile rows (the
-            // host asks for it with rows of 256 bytes, where it measured faster)
+        if constexpr (VIA_STAGE) {
             ST* t = reinterpret_cast<ST*>(st + L.tile);
             if (p.sr) {
-                tile_to_stage<true>(t, lk, col0l, cwv, cw, col0, s, sr_base, elem0);
+                tile_to_stage<true>(t, lk, col0l, cwv, cw, col0, s, kda_sr_base(seed, p.layer, me.slot, p.epoch), elem0);
             } else {
                 tile_to_stage<false>(t, lk, col0l, cwv, cw, col0, s, 0u, elem0);
             }
             __syncthreads();
             tile_copy_out(st + L.tile, head, me.cb, cw, cwv);
         } else if (p.sr) {
-            store_tile<true>(head, lk, col0, s, sr_base, elem0);
+            store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, me.slot, p.epoch), elem0);
         } else {
             store_tile<false>(head, lk, col0, s, 0u, elem0);
         }
@@ -1183,4 +1182,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p
         if (threadIdx.x == 0) s_next = next_slot;
     }
     cp_async_wait<0>();
+}
+
+// Eager decode, the tile stored from registers.
+extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p) { eager_run<false>(p); }
+
+// Eager decode, a 2-byte K-first tile stored through its stage (elsewhere the same as kda_eager).
+extern "C" __global__ void __launch_bounds__(256, 2) kda_eager_stage(const KdaParams p) {
+    eager_run<!VFIRST && sizeof(ST) == 2>(p);
 }

@@ -160,7 +160,7 @@ struct EagerPlan {
     /// Dynamic shared memory (all stages), bytes.
     smem: usize,
     /// Whether the updated tile goes back out through its stage (written there, then copied
-    /// out in whole 16-byte chunks) rather than from registers.
+    /// out in whole 16-byte chunks: `kda_eager_stage`) rather than from registers (`kda_eager`).
     stage_store: bool,
 }
 
@@ -694,8 +694,13 @@ impl CudaBackend {
         };
         let (func, smem, grid_cap) = match (pipe, ring_pipe) {
             (Some(pl), _) => {
-                let f = eager_kernel(&self.ctx, key)?;
-                let grid = self.persistent_grid(&f, "kda_eager", pl.warps * 32, pl.smem)?;
+                let f = eager_kernel(&self.ctx, key, pl.stage_store)?;
+                let name = if pl.stage_store {
+                    "kda_eager_stage"
+                } else {
+                    "kda_eager"
+                };
+                let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
                 (f, pl.smem, Some(grid))
             }
             (None, Some(rp)) => {
@@ -783,7 +788,7 @@ impl CudaBackend {
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
-            eager_stage_store: u32::from(pipe.is_some_and(|pl| pl.stage_store)),
+            pad: 0,
             ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
             ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
             div_seq: FastDiv::new((units * vblocks) as u32),

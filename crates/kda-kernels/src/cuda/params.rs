@@ -59,8 +59,8 @@ pub(crate) struct KdaParams {
     pub stages: u32,
     /// `kda_ring`: token rows per stage (ring length + most new tokens of a sequence).
     pub ring_mt: u32,
-    /// `kda_eager`: 1 where a 2-byte K-first tile goes back out through its stage.
-    pub eager_stage_store: u32,
+    /// Unused: keeps the struct free of padding.
+    pub pad: u32,
     /// `kda_ring`: bytes per asynchronous copy of a token row (4, 8 or 16).
     pub ring_gran: u32,
     /// `kda_ring`: most new tokens of one sequence.

@@ -34,6 +34,7 @@ pub(crate) struct StepKey {
 enum Key {
     Step(StepKey),
     Eager(StepKey),
+    EagerStage(StepKey),
     Ring(StepKey),
     Fill,
     Copy,
@@ -152,7 +153,7 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
     }
     let one = |r: Result<Vec<CudaFunction>>| r.map(|mut v| v.remove(0));
     let f = match key {
-        Key::Step(k) | Key::Eager(k) | Key::Ring(k) => {
+        Key::Step(k) | Key::Eager(k) | Key::EagerStage(k) | Key::Ring(k) => {
             let name = format!(
                 "kda_decode_{}_{}_{}_k{}_v{}.cu",
                 k.state.name(),
@@ -161,21 +162,27 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
                 k.k,
                 k.v
             );
-            // one module holds the three kernels of a key
+            // one module holds the four kernels of a key
+            let keys = [
+                Key::Step(k),
+                Key::Eager(k),
+                Key::EagerStage(k),
+                Key::Ring(k),
+            ];
             let fs = compile(
                 ctx,
                 &step_source(&k),
                 &name,
-                &["kda_step", "kda_eager", "kda_ring"],
+                &["kda_step", "kda_eager", "kda_eager_stage", "kda_ring"],
             )?;
-            map.insert((ctx.ordinal(), Key::Step(k)), fs[0].clone());
-            map.insert((ctx.ordinal(), Key::Eager(k)), fs[1].clone());
-            map.insert((ctx.ordinal(), Key::Ring(k)), fs[2].clone());
-            return Ok(match key {
-                Key::Step(_) => fs[0].clone(),
-                Key::Eager(_) => fs[1].clone(),
-                _ => fs[2].clone(),
-            });
+            let mut wanted = None;
+            for (kk, f) in keys.into_iter().zip(fs) {
+                if kk == key {
+                    wanted = Some(f.clone());
+                }
+                map.insert((ctx.ordinal(), kk), f);
+            }
+            return wanted.ok_or_else(|| unavailable(format!("no kernel for {key:?} in {name}")));
         }
         Key::Fill => one(compile(
             ctx,
@@ -199,10 +206,22 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
     get(ctx, Key::Step(key))
 }
 
-/// The pipelined eager-decode kernel `kda_eager` specialised on `key` (same module as
-/// `kda_step`), compiled on first use.
-pub(crate) fn eager_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
-    get(ctx, Key::Eager(key))
+/// The pipelined eager-decode kernel specialised on `key` (same module as `kda_step`),
+/// compiled on first use: `kda_eager_stage` (the tile stored through its stage) where
+/// `stage_store`, else `kda_eager`.
+pub(crate) fn eager_kernel(
+    ctx: &Arc<CudaContext>,
+    key: StepKey,
+    stage_store: bool,
+) -> Result<CudaFunction> {
+    get(
+        ctx,
+        if stage_store {
+            Key::EagerStage(key)
+        } else {
+            Key::Eager(key)
+        },
+    )
 }
 
 /// The pipelined ring kernel `kda_ring` specialised on `key` (same module as
