@@ -72,17 +72,43 @@ __device__ __forceinline__ void ring_coords(const KdaParams& p, kda_u32 item, Ri
     it.cb = (int)(rem - hv * p.vblocks) * RCW;
 }
 
-// An item with its loads waited for here (thread 0 only: the plan may record errors).
-__device__ __forceinline__ RingItem ring_lookup(const KdaParams& p, kda_u32 item) {
+// An item from its index, its sequence's slot, token bounds [b0, b1) and ring record (len,
+// pending) and accepted count, loaded beforehand (thread 0 only: the plan may record errors).
+__device__ __forceinline__ RingItem ring_item(const KdaParams& p, kda_u32 item, kda_u32 slot, kda_u32 b0, kda_u32 b1,
+                                              kda_u32 len, kda_u32 pend, kda_u32 acc) {
     RingItem it;
     ring_coords(p, item, it);
-    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-    it.slot = reinterpret_cast<const kda_u32*>(p.slots)[it.n];
-    it.bos = bounds[it.n];
-    it.nnew = bounds[it.n + 1] - it.bos;
-    it.pl = make_plan(p, it.n, it.slot, it.nnew, reinterpret_cast<const kda_u32*>(p.meta) + (size_t)it.slot * 4,
-                      reinterpret_cast<kda_u32*>(p.err), it.hv == 0 && it.cb == 0);
+    it.slot = slot;
+    it.bos = b0;
+    it.nnew = b1 - b0;
+    it.pl = plan_from(p, slot, it.nnew, len, pend, acc, reinterpret_cast<kda_u32*>(p.err), it.hv == 0 && it.cb == 0);
     return it;
+}
+
+// Thread 0: the first two items of a CTA (the second where `two`), their loads issued together
+// (the plan's error atomic would otherwise order the second item's loads after the first's).
+__device__ __forceinline__ void ring_first_items(const KdaParams& p, kda_u32 item, bool two, RingItem& a, RingItem& b) {
+    const kda_u32* slots = reinterpret_cast<const kda_u32*>(p.slots);
+    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
+    const kda_u32* accepted = reinterpret_cast<const kda_u32*>(p.accepted);
+    const kda_u32 item1 = two ? item + gridDim.x : item;
+    const kda_u32 n[2] = {ring_seq(p, item), ring_seq(p, item1)};
+    kda_u32 slot[2], b0[2], b1[2], len[2], pend[2], acc[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        slot[j] = slots[n[j]];
+        b0[j] = bounds[n[j]];
+        b1[j] = bounds[n[j] + 1];
+        acc[j] = accepted ? accepted[n[j]] : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const volatile kda_u32* vm = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot[j] * 4;
+        len[j] = vm[0];
+        pend[j] = vm[1];
+    }
+    a = ring_item(p, item, slot[0], b0[0], b1[0], len[0], pend[0], acc[0]);
+    if (two) b = ring_item(p, item1, slot[1], b0[1], b1[1], len[1], pend[1], acc[1]);
 }
 
 // The lanes of a warp copy `bytes` (a multiple of gran) from src to dst, gran bytes at a time.
@@ -254,7 +280,6 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     const kda_u32 per_seq = p.hv * p.vblocks;
     const kda_u32 total = p.n_seqs * per_seq;
     const kda_u32 grid = gridDim.x;
-    kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
     kda_u32* metas = reinterpret_cast<kda_u32*>(p.meta);
     const kda_u32* slots = reinterpret_cast<const kda_u32*>(p.slots);
     const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
@@ -265,9 +290,11 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     if (item >= total) return;
     // Prologue (thread 0): the first two items, and the slot of the third.
     if (threadIdx.x == 0) {
-        s_items[0] = ring_lookup(p, item);
-        if (item + grid < total) s_next = ring_lookup(p, item + grid);
         s_la_slot = item + 2 * grid < total ? slots[ring_seq(p, item + 2 * grid)] : 0u;
+        RingItem a, b;
+        ring_first_items(p, item, item + grid < total, a, b);
+        s_items[0] = a;
+        if (item + grid < total) s_next = b;
         s_copy[0] = KDA_NONE;
         s_prev.slot = KDA_NONE; // no arrival yet
     }
@@ -427,13 +454,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
             s_prev.copy = store && me.pl.append_at != KDA_NONE && nnew > 0;
             // the next item to issue, now that its record has arrived
             if (issued < total) {
-                RingItem nx;
-                ring_coords(p, issued, nx);
-                nx.slot = s_la_slot;
-                nx.bos = m_b0;
-                nx.nnew = m_b1 - m_b0;
-                nx.pl = plan_from(p, nx.slot, nx.nnew, m_len, m_pend, m_acc, err, nx.hv == 0 && nx.cb == 0);
-                s_next = nx;
+                s_next = ring_item(p, issued, s_la_slot, m_b0, m_b1, m_len, m_pend, m_acc);
                 s_la_slot = z_slot;
             }
         }
