@@ -40,6 +40,9 @@ enum Key {
     Copy,
 }
 
+/// The kernels of a `kda_step` module, in the order of `Key::{Step, Eager, EagerStage, Ring}`.
+const STEP_FUNCTIONS: [&str; 4] = ["kda_step", "kda_eager", "kda_eager_stage", "kda_ring"];
+
 type Cache = Mutex<HashMap<(usize, Key), CudaFunction>>;
 
 fn cache() -> &'static Cache {
@@ -169,12 +172,7 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
                 Key::EagerStage(k),
                 Key::Ring(k),
             ];
-            let fs = compile(
-                ctx,
-                &step_source(&k),
-                &name,
-                &["kda_step", "kda_eager", "kda_eager_stage", "kda_ring"],
-            )?;
+            let fs = compile(ctx, &step_source(&k), &name, &STEP_FUNCTIONS)?;
             let mut wanted = None;
             for (kk, f) in keys.into_iter().zip(fs) {
                 if kk == key {
@@ -244,8 +242,8 @@ pub(crate) fn copy_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
 mod tests {
     use super::*;
 
-    /// Compiles a source for sm_90 with NVRTC; `None` when no NVRTC library is present.
-    fn try_compile(src: &str, name: &str) -> Option<std::result::Result<(), String>> {
+    /// Compiles a source for sm_90 with NVRTC to PTX; `None` when no NVRTC library is present.
+    fn try_compile(src: &str, name: &str) -> Option<std::result::Result<String, String>> {
         // SAFETY: only tries to open the shared library.
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return None;
@@ -257,13 +255,22 @@ mod tests {
         };
         Some(
             compile_ptx_with_opts(src, opts)
-                .map(|_| ())
+                .map(|ptx| ptx.to_src())
                 .map_err(|e| format!("{e}")),
         )
     }
 
+    /// Whether the PTX defines an entry point `name` (what `load_function` looks up).
+    fn has_entry(ptx: &str, name: &str) -> bool {
+        ptx.lines().any(|l| {
+            l.trim_start()
+                .strip_prefix(".visible .entry ")
+                .is_some_and(|rest| rest.strip_prefix(name).is_some_and(|t| t.starts_with('(')))
+        })
+    }
+
     #[test]
-    fn every_kernel_variant_compiles_with_nvrtc() {
+    fn every_kernel_variant_compiles_with_nvrtc_and_defines_the_loaded_entry_points() {
         let mut keys = Vec::new();
         for state in Dtype::ALL {
             for input in Dtype::ALL {
@@ -297,11 +304,23 @@ mod tests {
                     eprintln!("skipped: no NVRTC library on this machine");
                     return;
                 }
-                Some(r) => r.unwrap_or_else(|e| panic!("{key:?}: {e}")),
+                Some(r) => {
+                    let ptx = r.unwrap_or_else(|e| panic!("{key:?}: {e}"));
+                    for f in STEP_FUNCTIONS {
+                        assert!(has_entry(&ptx, f), "{key:?}: no entry point {f} in the PTX");
+                    }
+                    assert!(
+                        !has_entry(&ptx, "kda_eage"),
+                        "has_entry matches whole names only"
+                    );
+                }
             }
         }
         if let Some(r) = try_compile(&source("", FILL), "kda_fill.cu") {
-            r.unwrap();
+            let ptx = r.unwrap();
+            for f in ["kda_fill", "kda_copy"] {
+                assert!(has_entry(&ptx, f), "kda_fill.cu: no entry point {f}");
+            }
         }
     }
 }
