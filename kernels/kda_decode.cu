@@ -1184,10 +1184,19 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
     cp_async_wait<0>();
 }
 
+// Registers of kda_eager: 2-byte pools at most 128 (two CTAs of 8 warps); fp32 pools at most
+// 168, as their 2-stage tiles (64 KB at 4 warps) let only 3 CTAs of 4 warps share an SM, which
+// 168 registers per thread still allow (KDA_ST_BYTES comes from the host with KDA_ST).
+#if defined(KDA_ST_BYTES) && KDA_ST_BYTES == 4 && !defined(__HIPCC__)
+#define KDA_EAGER_BOUNDS __maxnreg__(168)
+#else
+#define KDA_EAGER_BOUNDS __launch_bounds__(256, 2)
+#endif
+
 // Eager decode, the tile stored from registers.
-extern "C" __global__ void __launch_bounds__(256, 2) kda_eager(const KdaParams p) { eager_run<false>(p); }
+extern "C" __global__ void KDA_EAGER_BOUNDS kda_eager(const KdaParams p) { eager_run<false>(p); }
 
 // Eager decode, a 2-byte K-first tile stored through its stage (elsewhere the same as kda_eager).
-extern "C" __global__ void __launch_bounds__(256, 2) kda_eager_stage(const KdaParams p) {
+extern "C" __global__ void KDA_EAGER_BOUNDS kda_eager_stage(const KdaParams p) {
     eager_run<!VFIRST && sizeof(ST) == 2>(p);
 }

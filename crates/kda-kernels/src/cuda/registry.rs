@@ -78,8 +78,9 @@ fn source(defines: &str, body: &str) -> String {
 /// The full source of a `kda_step` module (also used by tests that compile it offline).
 pub(crate) fn step_source(key: &StepKey) -> String {
     let defines = format!(
-        "#define KDA_ST {}\n#define KDA_IT {}\n#define KDA_K {}\n#define KDA_V {}\n#define KDA_VFIRST {}\n",
+        "#define KDA_ST {}\n#define KDA_ST_BYTES {}\n#define KDA_IT {}\n#define KDA_K {}\n#define KDA_V {}\n#define KDA_VFIRST {}\n",
         c_type(key.state),
+        key.state.size(),
         c_type(key.input),
         key.k,
         key.v,
