@@ -24,7 +24,7 @@ use kda_kernels::testing::{
 use kda_kernels::{Backend, CpuBackend, GateMode, IndexView, KernelError, TensorViewMut};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use state_pool::{DeviceMemory, Dtype, Rounding, StateLayout};
+use state_pool::{DeviceMemory, Dtype, RingMeta, Rounding, StateLayout};
 
 /// The CUDA backend, or `None` after printing why the test is skipped.
 fn cuda() -> Option<CudaBackend> {
@@ -217,17 +217,12 @@ fn compare_with_cpu(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) -> (
             cpu_layer.epoch(),
             "step {step}: the layer epochs differ"
         );
-        for &s in &case.slots {
-            let (m1, m2) = (
-                gpu_layer.meta(cu.memory(), s).unwrap(),
-                cpu_layer.meta(CpuBackend.memory(), s).unwrap(),
-            );
-            assert_eq!(
-                (m1.len, m1.pending, m1.arrive),
-                (m2.len, m2.pending, 0),
-                "step {step}: ring record of slot {s}"
-            );
-        }
+        assert_same_ring_records(
+            step,
+            &case.slots,
+            |s| gpu_layer.meta(cu.memory(), s).unwrap(),
+            |s| cpu_layer.meta(CpuBackend.memory(), s).unwrap(),
+        );
     }
     (worst, exact.unwrap_or(1.0))
 }
@@ -476,6 +471,24 @@ fn cuda_two_byte_ring_rounds_once_per_commit_nearest_and_stochastic_bit_for_bit(
     }
 }
 
+/// Asserts after step `step` that every slot of `slots` has the same ring record in `got` as in
+/// `want` (length and pending entries), with its arrival counter back at 0 in `got`.
+fn assert_same_ring_records(
+    step: usize,
+    slots: &[u32],
+    got: impl Fn(u32) -> RingMeta,
+    want: impl Fn(u32) -> RingMeta,
+) {
+    for &s in slots {
+        let (a, b) = (got(s), want(s));
+        assert_eq!(
+            (a.len, a.pending, a.arrive),
+            (b.len, b.pending, 0),
+            "step {step}: ring record of slot {s}"
+        );
+    }
+}
+
 /// The ring data of `slots` in a layer: entries `0..len` of each slot's ring, as bytes.
 fn ring_bytes(
     cu: &CudaBackend,
@@ -576,17 +589,12 @@ fn check_ring_kernels_agree(cu: &CudaBackend, case: &Case, steps: usize, seed: u
                 drafts = lens;
             }
         }
-        for &s in &case.slots {
-            let (a, b) = (
-                piped.meta(cu.memory(), s).unwrap(),
-                blocked.meta(cu.memory(), s).unwrap(),
-            );
-            assert_eq!(
-                (a.len, a.pending, a.arrive),
-                (b.len, b.pending, 0),
-                "step {step}: ring record of slot {s}"
-            );
-        }
+        assert_same_ring_records(
+            step,
+            &case.slots,
+            |s| piped.meta(cu.memory(), s).unwrap(),
+            |s| blocked.meta(cu.memory(), s).unwrap(),
+        );
         assert!(
             ring_bytes(cu, &piped, &case.slots) == ring_bytes(cu, &blocked, &case.slots),
             "step {step}: the ring entries differ"

@@ -164,6 +164,17 @@ struct EagerPlan {
     stage_store: bool,
 }
 
+impl EagerPlan {
+    /// The kernel of the plan (both in the module of `kda_step`).
+    fn kernel(&self) -> &'static str {
+        if self.stage_store {
+            "kda_eager_stage"
+        } else {
+            "kda_eager"
+        }
+    }
+}
+
 /// Bytes of a tile row from which a 2-byte K-first pool writes its updated tile back through
 /// the stage (8 warps at V = 128). H200 A/B (docs/performance.md, sixth session): 5-11% faster
 /// with rows of 256 bytes, 6-9% slower with rows of 128 bytes (4 warps) and at N = 1.
@@ -220,11 +231,11 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
 struct RingShape {
     k: usize,
     v: usize,
-    h: usize,
-    hv: usize,
     state_size: usize,
     input_size: usize,
     ring_len: usize,
+    /// Bytes of one ring entry (`PoolGeometry::ring_entry_elems` in the input dtype).
+    entry_bytes: usize,
     /// Most new tokens of one sequence in the call.
     max_new: usize,
     /// Whether the pool rounds stochastically (`kda_ring` stores with nearest rounding only).
@@ -274,9 +285,8 @@ fn ring_plan(s: &RingShape) -> Option<RingPlan> {
         return None;
     }
     let isz = s.input_size;
-    let entry = (s.h * s.k + s.hv * s.v + s.hv * s.k + s.hv) * isz;
     // the largest power of two <= 16 dividing every row size and offset
-    let gran = [entry, s.k * isz, s.v * isz, cw * isz]
+    let gran = [s.entry_bytes, s.k * isz, s.v * isz, cw * isz]
         .iter()
         .map(|q| 1usize << q.trailing_zeros().min(4))
         .min()
@@ -679,11 +689,10 @@ impl CudaBackend {
             ring_plan(&RingShape {
                 k: g.k,
                 v: g.v,
-                h: g.h,
-                hv: g.hv,
                 state_size: g.state_dtype.size(),
                 input_size: input.size(),
                 ring_len: g.ring_len,
+                entry_bytes: g.ring_entry_elems() * input.size(),
                 max_new: (0..n).map(|i| plan.len_of(i)).max().unwrap_or(0),
                 stochastic: sr == 1,
                 forced: ring_choice == Some(true),
@@ -692,23 +701,18 @@ impl CudaBackend {
         } else {
             None
         };
-        let (func, smem, grid_cap) = match (pipe, ring_pipe) {
+        let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
             (Some(pl), _) => {
                 let f = eager_kernel(&self.ctx, key, pl.stage_store)?;
-                let name = if pl.stage_store {
-                    "kda_eager_stage"
-                } else {
-                    "kda_eager"
-                };
-                let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
-                (f, pl.smem, Some(grid))
+                let grid = self.persistent_grid(&f, pl.kernel(), pl.warps * 32, pl.smem)?;
+                (f, pl.kernel(), pl.smem, Some(grid))
             }
             (None, Some(rp)) => {
                 let f = ring_kernel(&self.ctx, key)?;
                 let grid = self.persistent_grid(&f, "kda_ring", RING_THREADS, rp.smem)?;
-                (f, rp.smem, Some(grid))
+                (f, "kda_ring", rp.smem, Some(grid))
             }
-            (None, None) => (func, 0, None),
+            (None, None) => (func, "kda_step", 0, None),
         };
         let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
             (g.hv, 1usize, pl.vblocks, pl.warps)
@@ -809,7 +813,7 @@ impl CudaBackend {
         // launch bounds (<= 256 threads); the pipelined kernels' dynamic
         // shared memory was checked against the device's opt-in limit and their copies against
         // the shape (`eager_plan`, `ring_plan`).
-        unsafe { b.launch(cfg) }.map_err(|e| device_err("kda_step launch", e))?;
+        unsafe { b.launch(cfg) }.map_err(|e| device_err(&format!("{name} launch"), e))?;
         Ok(())
     }
 }
@@ -1042,11 +1046,11 @@ mod tests {
         RingShape {
             k: 128,
             v: 128,
-            h: 12,
-            hv: 12,
             state_size,
             input_size: 2,
             ring_len,
+            // 12 heads in bf16: 2 (3 x 12 x 128 + 12)
+            entry_bytes: 9240,
             max_new,
             stochastic: false,
             forced: true,
@@ -1105,11 +1109,10 @@ mod tests {
         s.v = 20;
         assert_eq!(ring_plan(&s), None, "tile rows of 40 bytes");
         let mut s = ring_shape(2, 4, 1);
-        s.h = 1;
-        s.hv = 1;
         s.k = 24;
         s.v = 8;
-        // a ring entry of 2 (24 + 8 + 24 + 1) = 114 bytes: 2-byte copies only
+        // one head: a ring entry of 2 (24 + 8 + 24 + 1) = 114 bytes, 2-byte copies only
+        s.entry_bytes = 114;
         assert_eq!(ring_plan(&s), None, "token rows without 4-byte copies");
         let mut s = ring_shape(4, 8, 1);
         s.smem_optin = 64 * 1024;
