@@ -791,8 +791,11 @@ struct SmemAt {
     kda_u32 addr;
     __device__ __forceinline__ explicit SmemAt(unsigned char* b) : addr(smem_addr(b)) {}
 };
+// The state tiles' copies (tile_issue) ask L2 to fetch whole 128-byte lines (`.L2::128B`): on
+// the H200 eager decode was 0.6-2.2% faster at N >= 64 (docs/performance.md, eighth session;
+// 256-byte lines gained less, and lost on the ring kernel).
 __device__ __forceinline__ void cp_async16_at(const SmemAt& d, kda_u32 off, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d.addr + off), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(d.addr + off), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.
