@@ -164,17 +164,6 @@ struct EagerPlan {
     stage_store: bool,
 }
 
-impl EagerPlan {
-    /// The kernel of the plan (both in the module of `kda_step`).
-    fn kernel(&self) -> &'static str {
-        if self.stage_store {
-            "kda_eager_stage"
-        } else {
-            "kda_eager"
-        }
-    }
-}
-
 /// Bytes of a tile row from which a 2-byte K-first pool writes its updated tile back through
 /// the stage (8 warps at V = 128). H200 A/B (docs/performance.md, sixth session): 5-11% faster
 /// with rows of 256 bytes, 6-9% slower with rows of 128 bytes (4 warps) and at N = 1.
@@ -703,9 +692,9 @@ impl CudaBackend {
         };
         let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
             (Some(pl), _) => {
-                let f = eager_kernel(&self.ctx, key, pl.stage_store)?;
-                let grid = self.persistent_grid(&f, pl.kernel(), pl.warps * 32, pl.smem)?;
-                (f, pl.kernel(), pl.smem, Some(grid))
+                let (f, name) = eager_kernel(&self.ctx, key, pl.stage_store)?;
+                let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
+                (f, name, pl.smem, Some(grid))
             }
             (None, Some(rp)) => {
                 let f = ring_kernel(&self.ctx, key)?;

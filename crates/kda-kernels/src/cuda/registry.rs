@@ -40,8 +40,29 @@ enum Key {
     Copy,
 }
 
-/// The kernels of a `kda_step` module, in the order of `Key::{Step, Eager, EagerStage, Ring}`.
-const STEP_FUNCTIONS: [&str; 4] = ["kda_step", "kda_eager", "kda_eager_stage", "kda_ring"];
+impl Key {
+    /// The kernel's entry point in its module.
+    fn entry(self) -> &'static str {
+        match self {
+            Key::Step(_) => "kda_step",
+            Key::Eager(_) => "kda_eager",
+            Key::EagerStage(_) => "kda_eager_stage",
+            Key::Ring(_) => "kda_ring",
+            Key::Fill => "kda_fill",
+            Key::Copy => "kda_copy",
+        }
+    }
+}
+
+/// The kernels one `kda_step` module holds (all compiled together).
+fn step_module(k: StepKey) -> [Key; 4] {
+    [
+        Key::Step(k),
+        Key::Eager(k),
+        Key::EagerStage(k),
+        Key::Ring(k),
+    ]
+}
 
 type Cache = Mutex<HashMap<(usize, Key), CudaFunction>>;
 
@@ -166,14 +187,8 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
                 k.k,
                 k.v
             );
-            // one module holds the four kernels of a key
-            let keys = [
-                Key::Step(k),
-                Key::Eager(k),
-                Key::EagerStage(k),
-                Key::Ring(k),
-            ];
-            let fs = compile(ctx, &step_source(&k), &name, &STEP_FUNCTIONS)?;
+            let keys = step_module(k);
+            let fs = compile(ctx, &step_source(&k), &name, &keys.map(Key::entry))?;
             let mut wanted = None;
             for (kk, f) in keys.into_iter().zip(fs) {
                 if kk == key {
@@ -183,17 +198,11 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
             }
             return wanted.ok_or_else(|| unavailable(format!("no kernel for {key:?} in {name}")));
         }
-        Key::Fill => one(compile(
+        Key::Fill | Key::Copy => one(compile(
             ctx,
             &source("", FILL),
             "kda_fill.cu",
-            &["kda_fill"],
-        ))?,
-        Key::Copy => one(compile(
-            ctx,
-            &source("", FILL),
-            "kda_fill.cu",
-            &["kda_copy"],
+            &[key.entry()],
         ))?,
     };
     map.insert((ctx.ordinal(), key), f.clone());
@@ -206,21 +215,19 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 }
 
 /// The pipelined eager-decode kernel specialised on `key` (same module as `kda_step`),
-/// compiled on first use: `kda_eager_stage` (the tile stored through its stage) where
-/// `stage_store`, else `kda_eager`.
+/// compiled on first use, and its name: `kda_eager_stage` (the tile stored through its stage)
+/// where `stage_store`, else `kda_eager`.
 pub(crate) fn eager_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
     stage_store: bool,
-) -> Result<CudaFunction> {
-    get(
-        ctx,
-        if stage_store {
-            Key::EagerStage(key)
-        } else {
-            Key::Eager(key)
-        },
-    )
+) -> Result<(CudaFunction, &'static str)> {
+    let key = if stage_store {
+        Key::EagerStage(key)
+    } else {
+        Key::Eager(key)
+    };
+    Ok((get(ctx, key)?, key.entry()))
 }
 
 /// The pipelined ring kernel `kda_ring` specialised on `key` (same module as
@@ -307,7 +314,7 @@ mod tests {
                 }
                 Some(r) => {
                     let ptx = r.unwrap_or_else(|e| panic!("{key:?}: {e}"));
-                    for f in STEP_FUNCTIONS {
+                    for f in step_module(key).map(Key::entry) {
                         assert!(has_entry(&ptx, f), "{key:?}: no entry point {f} in the PTX");
                     }
                     assert!(
@@ -319,7 +326,7 @@ mod tests {
         }
         if let Some(r) = try_compile(&source("", FILL), "kda_fill.cu") {
             let ptx = r.unwrap();
-            for f in ["kda_fill", "kda_copy"] {
+            for f in [Key::Fill, Key::Copy].map(Key::entry) {
                 assert!(has_entry(&ptx, f), "kda_fill.cu: no entry point {f}");
             }
         }
