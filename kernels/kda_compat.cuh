@@ -25,6 +25,8 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) { return __float2
 #define KDA_SHFL_XOR(x, m) __shfl_xor((x), (m), 32)
 #define KDA_SYNCWARP() __builtin_amdgcn_wave_barrier()
 #define KDA_PREFETCH_L2(ptr) ((void)(ptr))
+// A store that L2 may evict first (the state written back by the ring: not read again soon).
+#define KDA_STORE_STREAM(ptr, val) (*(ptr) = (val))
 #else
 struct __align__(2) kda_half {
     unsigned short bits;
@@ -67,4 +69,6 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) {
 #define KDA_SYNCWARP() __syncwarp()
 // A hint: fetch the 128-byte line holding ptr into L2 (no register, no wait).
 #define KDA_PREFETCH_L2(ptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr))
+// A store that L2 may evict first (st.global.cs).
+#define KDA_STORE_STREAM(ptr, val) __stcs((ptr), (val))
 #endif

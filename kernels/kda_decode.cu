@@ -224,7 +224,8 @@ __device__ __forceinline__ ST round_elem(float x, kda_u32 base, kda_u32 elem) {
 }
 
 // Stores the lane's tile; `elem0` is the head's offset in the slot's ssm plane (hv * K * V).
-template <bool SR>
+// STREAM (K-first 2-byte nearest only): streaming stores (KDA_STORE_STREAM), for kda_ring.
+template <bool SR, bool STREAM = false>
 __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const float (&s)[TK][TV],
                                            kda_u32 base, kda_u32 elem0) {
     if constexpr (!VFIRST) {
@@ -235,8 +236,12 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
             if constexpr (KF_VEC && !SR && sizeof(ST) == 2 && TV == 4) {
                 // two elements per conversion instruction (same bits as one at a time)
                 if (col0 >= V) continue;
-                *reinterpret_cast<uint2*>(head + (size_t)kr * V + col0) =
-                    make_uint2(kda_pack2_rn<ST>(s[r][0], s[r][1]), kda_pack2_rn<ST>(s[r][2], s[r][3]));
+                const uint2 w = make_uint2(kda_pack2_rn<ST>(s[r][0], s[r][1]), kda_pack2_rn<ST>(s[r][2], s[r][3]));
+                if constexpr (STREAM) {
+                    KDA_STORE_STREAM(reinterpret_cast<uint2*>(head + (size_t)kr * V + col0), w);
+                } else {
+                    *reinterpret_cast<uint2*>(head + (size_t)kr * V + col0) = w;
+                }
             } else if constexpr (KF_VEC) {
                 if (col0 >= V) continue;
                 ST tmp[TV];

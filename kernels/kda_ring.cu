@@ -398,8 +398,10 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
                     store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + me.hv) * V + col0, o, col0);
                 }
                 // nearest rounding only: the host runs kda_step for stochastic-rounding pools (the
-                // hash and the fp16 rounding would take registers from the token loop)
-                if ((kda_u32)t + 1 == me.pl.store_after) store_tile<false>(head, lk, col0, s, 0u, elem0);
+                // hash and the fp16 rounding would take registers from the token loop); streaming
+                // stores, as no item reads the committed state again soon (2-byte ring and spec
+                // 2.5-3.3% faster on the H200, docs/performance.md, ninth session)
+                if ((kda_u32)t + 1 == me.pl.store_after) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
             }
 
             // 3) no commit: this item's part of the new entries (rows past the pending
