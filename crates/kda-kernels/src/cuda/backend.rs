@@ -201,9 +201,14 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         + r16(e.k * 4)
         + 16;
     let static_smem = (3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 16 + 3 * 32;
-    let stages = e
-        .stages
-        .unwrap_or(if two_byte_kf { 3 } else { DEFAULT_EAGER_STAGES });
+    // 2-byte K-first: 3 stages, except with fewer 4-warp items than SMs (N = 1), where no CTA
+    // has a second item to pipeline: 2 stages measured 0.04-0.05 us faster at H = 12 and equal
+    // at H = 32 (docs/performance.md, ninth session)
+    let stages = e.stages.unwrap_or(if two_byte_kf && !few {
+        3
+    } else {
+        DEFAULT_EAGER_STAGES
+    });
     [stages, 2]
         .into_iter()
         .find(|&st| st * stage + static_smem <= e.smem_optin)
@@ -996,6 +1001,8 @@ mod tests {
         assert_eq!(plan(&shape(4, 768, false)), (4, 2, 2));
         // 2-byte K-first: 3 stages; whole heads (8 warps) from 2048 heads
         assert_eq!(plan(&shape(2, 768, false)), (4, 2, 3));
+        // 2-byte K-first with fewer 4-warp CTAs than SMs (N = 1): 2 stages
+        assert_eq!(plan(&shape(2, 12, false)), (4, 2, 2));
         assert_eq!(plan(&shape(2, 2048, false)), (8, 1, 3));
         // 2-byte V-first: 4 warps, 2 stages whatever the size
         assert_eq!(plan(&shape(2, 3072, true)), (4, 2, 2));
