@@ -10,9 +10,12 @@
 // k, g, v of its columns, q of the new tokens) and dt_bias are copied into the other of two
 // stages with cp.async while the current item computes; its state tile goes into the one tile
 // buffer as soon as the current tile is in registers, so the copy overlaps the token steps and
-// an fp32 head (64 KB) still leaves room for two CTAs per SM. Thread 0 looks the items up
-// ahead (the slot one iteration before the ring record and the accepted count, which it uses one
-// iteration later), so no copy waits on a dependent load. Every token of an item is activated at
+// an fp32 head (64 KB) still leaves room for two CTAs per SM. One thread, the bookkeeper (lane 0
+// of the last warp, which activates a token only when an item has eight), looks the items up
+// ahead: the slot three items ahead, the ring record and the accepted count two ahead, the plan
+// one ahead of the item whose copies are issued next. It does its work (and the arrival, below)
+// right after the first barrier of an item, while its warp has no token to activate, so no copy
+// waits on a dependent load and no warp waits for the bookkeeping. Every token of an item is activated at
 // once (one warp per token), then each warp steps its columns through the tokens with no barrier
 // in between. Stores round to nearest only (the stochastic store's registers would spill the
 // token loop); the host runs kda_step for stochastic-rounding pools.
@@ -21,7 +24,8 @@
 // beyond the pending entries, which no item reads). A commit overwrites entries 0.., which the
 // other items of the slot may still read, so the CTA that finishes the slot's last item (the
 // `arrive` counter) copies the whole slot's new entries, and writes the new record, one item
-// later (the atomic's result is not waited for in the item that issues it).
+// later (the atomic's result is not waited for in the item that issues it). An item arrives once
+// its token rows are in shared memory, i.e. once it has read all it reads of the ring.
 #include "kda_decode.cu"
 
 namespace kda {
@@ -72,43 +76,39 @@ __device__ __forceinline__ void ring_coords(const KdaParams& p, kda_u32 item, Ri
     it.cb = (int)(rem - hv * p.vblocks) * RCW;
 }
 
-// An item from its index, its sequence's slot, token bounds [b0, b1) and ring record (len,
-// pending) and accepted count, loaded beforehand (thread 0 only: the plan may record errors).
-__device__ __forceinline__ RingItem ring_item(const KdaParams& p, kda_u32 item, kda_u32 slot, kda_u32 b0, kda_u32 b1,
-                                              kda_u32 len, kda_u32 pend, kda_u32 acc) {
-    RingItem it;
-    ring_coords(p, item, it);
-    it.slot = slot;
-    it.bos = b0;
-    it.nnew = b1 - b0;
-    it.pl = plan_from(p, slot, it.nnew, len, pend, acc, reinterpret_cast<kda_u32*>(p.err), it.hv == 0 && it.cb == 0);
-    return it;
+// What an item's plan needs of its sequence: the slot, the token bounds [b0, b1), the ring
+// record (len, pending) and the accepted count.
+struct RingRec {
+    kda_u32 slot, b0, b1, len, pend, acc;
+};
+
+// The bookkeeper: issues the loads of item `item`'s record (its sequence's slot known); the
+// values are waited for where the plan uses them.
+__device__ __forceinline__ RingRec ring_rec_load(const KdaParams& p, kda_u32 item, kda_u32 slot) {
+    const kda_u32 n = ring_seq(p, item);
+    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
+    const volatile kda_u32* vm = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
+    RingRec r;
+    r.slot = slot;
+    r.b0 = bounds[n];
+    r.b1 = bounds[n + 1];
+    r.acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
+    r.len = vm[0];
+    r.pend = vm[1];
+    return r;
 }
 
-// Thread 0: the first two items of a CTA (the second where `two`), their loads issued together
-// (the plan's error atomic would otherwise order the second item's loads after the first's).
-__device__ __forceinline__ void ring_first_items(const KdaParams& p, kda_u32 item, bool two, RingItem& a, RingItem& b) {
-    const kda_u32* slots = reinterpret_cast<const kda_u32*>(p.slots);
-    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-    const kda_u32* accepted = reinterpret_cast<const kda_u32*>(p.accepted);
-    const kda_u32 item1 = two ? item + gridDim.x : item;
-    const kda_u32 n[2] = {ring_seq(p, item), ring_seq(p, item1)};
-    kda_u32 slot[2], b0[2], b1[2], len[2], pend[2], acc[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        slot[j] = slots[n[j]];
-        b0[j] = bounds[n[j]];
-        b1[j] = bounds[n[j] + 1];
-        acc[j] = accepted ? accepted[n[j]] : 0u;
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const volatile kda_u32* vm = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot[j] * 4;
-        len[j] = vm[0];
-        pend[j] = vm[1];
-    }
-    a = ring_item(p, item, slot[0], b0[0], b1[0], len[0], pend[0], acc[0]);
-    if (two) b = ring_item(p, item1, slot[1], b0[1], b1[1], len[1], pend[1], acc[1]);
+// An item from its index and its sequence's record (the bookkeeper only: the plan may record
+// errors).
+__device__ __forceinline__ RingItem ring_item(const KdaParams& p, kda_u32 item, const RingRec& r) {
+    RingItem it;
+    ring_coords(p, item, it);
+    it.slot = r.slot;
+    it.bos = r.b0;
+    it.nnew = r.b1 - r.b0;
+    it.pl = plan_from(p, r.slot, it.nnew, r.len, r.pend, r.acc, reinterpret_cast<kda_u32*>(p.err),
+                      it.hv == 0 && it.cb == 0);
+    return it;
 }
 
 // The lanes of a warp copy `bytes` (a multiple of gran) from src to dst, gran bytes at a time.
@@ -231,13 +231,13 @@ __device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slo
     }
 }
 
-// What thread 0 remembers of the item whose arrival it has not looked at yet.
+// What the bookkeeper remembers of the item whose arrival it has not looked at yet.
 struct RingArrival {
     kda_u32 slot, new_len, new_pending, bos, nnew;
     bool copy; // a commit with new tokens: the last item's CTA writes the entries
 };
 
-// Thread 0, once the previous item's arrival is known (`last`: it was the slot's last item):
+// The bookkeeper, once the previous item's arrival is known (`last`: it was the slot's last item):
 // the slot's new record, and (s_copy; KDA_NONE otherwise) the entries a commit left to write.
 __device__ __forceinline__ void ring_settle(const RingArrival& prev, bool last, kda_u32* metas, kda_u32* s_copy) {
     s_copy[0] = KDA_NONE;
@@ -258,14 +258,15 @@ __device__ __forceinline__ void ring_settle(const RingArrival& prev, bool last, 
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParams p) {
     extern __shared__ __align__(16) unsigned char dsm[];
-    __shared__ RingItem s_items[2];
-    __shared__ RingItem s_next;
-    __shared__ kda_u32 s_copy[3]; // slot, bos, nnew of entries this CTA must write (KDA_NONE: none)
-    // thread 0's bookkeeping in shared memory (not in every thread's registers): the previous
-    // item's arrival, and the slot of the item after the next one to issue
-    __shared__ RingArrival s_prev;
-    __shared__ kda_u32 s_la_slot;
+    // The items of this CTA in flight: item j (the CTA's j-th) in s_items[j % 3], written by the
+    // bookkeeper one iteration before its copies are issued.
+    __shared__ RingItem s_items[3];
+    // slot, bos, nnew of entries this CTA must write (KDA_NONE: none): written by the bookkeeper
+    // in iteration i at [i & 1], read by every thread in iteration i + 1
+    __shared__ kda_u32 s_copy[2][3];
+    __shared__ RingArrival s_prev; // the bookkeeper's: the previous item's arrival
 
+    constexpr int BK = RT - 32; // the bookkeeper: lane 0 of the last warp
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
     const RingLayout L((int)p.ring_mt, (int)p.ring_mq);
@@ -282,20 +283,37 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     const kda_u32 grid = gridDim.x;
     kda_u32* metas = reinterpret_cast<kda_u32*>(p.meta);
     const kda_u32* slots = reinterpret_cast<const kda_u32*>(p.slots);
-    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
     const int group = (int)(p.hv / p.h);
     const size_t entry = ring_entry_elems(p);
 
     kda_u32 item = blockIdx.x;
     if (item >= total) return;
-    // Prologue (thread 0): the first two items, and the slot of the third.
-    if (threadIdx.x == 0) {
-        s_la_slot = item + 2 * grid < total ? slots[ring_seq(p, item + 2 * grid)] : 0u;
-        RingItem a, b;
-        ring_first_items(p, item, item + grid < total, a, b);
-        s_items[0] = a;
-        if (item + grid < total) s_next = b;
-        s_copy[0] = KDA_NONE;
+    // The bookkeeper's look-ahead (its registers; unused in the other threads): the record of
+    // the item two ahead of the current one, the slot of the item three ahead, and the previous
+    // item's arrival (its atomic's result).
+    RingRec rec = {};
+    kda_u32 la_slot = 0, prev_old = 0;
+    // Prologue (bookkeeper): the slots of the first four items, the records of the first three
+    // (every load issued before the first plan, whose error atomic would order them after it),
+    // the plans of the first two.
+    if (threadIdx.x == BK) {
+        kda_u32 sl[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const kda_u32 it = item + (kda_u32)j * grid;
+            sl[j] = it < total ? slots[ring_seq(p, it)] : 0u;
+        }
+        RingRec r[3] = {};
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+            const kda_u32 it = item + (kda_u32)j * grid;
+            if (it < total) r[j] = ring_rec_load(p, it, sl[j]);
+        }
+        s_items[0] = ring_item(p, item, r[0]);
+        if (item + grid < total) s_items[1] = ring_item(p, item + grid, r[1]);
+        rec = r[2];
+        la_slot = sl[3];
+        s_copy[0][0] = s_copy[1][0] = KDA_NONE;
         s_prev.slot = KDA_NONE; // no arrival yet
     }
     __syncthreads();
@@ -307,9 +325,9 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     ring_issue_tile(dsm, p, s_items[0]);
     kda_u32 issued = item + grid;
 
-    kda_u32 prev_old = 0; // thread 0: the previous item's arrival (its atomic's result)
-
-    for (int i = 0; item < total; item += grid, ++i) {
+    int i = 0;
+    int j0 = 0, j1 = 1, j2 = 2; // i % 3, (i + 1) % 3, (i + 2) % 3
+    for (; item < total; item += grid, ++i) {
         const int stage = i & 1;
         unsigned char* st = dsm + RTILE + stage * L.stage;
         // this item's raw betas and a_log (loaded when it was issued)
@@ -317,30 +335,40 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         if (threadIdx.x == RT - 1) alog_s[stage] = alog_next;
         cp_async_wait<1>(); // this item's token rows (its tile may still be in flight)
         __syncthreads();
-        // entries of a committed slot this CTA arrived last on (published by thread 0)
-        if (s_copy[0] != KDA_NONE) ring_commit_copy(p, s_copy[0], s_copy[1], s_copy[2]);
-        const RingItem me = s_items[stage];
+        // entries of a committed slot this CTA arrived last on (published by the bookkeeper)
+        const kda_u32* cp = s_copy[stage ^ 1];
+        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2]);
+        const RingItem me = s_items[j0];
 
-        // issue the next item; thread 0 starts the loads of the one after it (its slot is known)
-        kda_u32 m_len = 0, m_pend = 0, m_acc = 0, m_b0 = 0, m_b1 = 0, z_slot = 0;
-        const bool more = issued < total; // s_next holds the next item until step 4
+        // issue the next item
+        const bool more = issued < total;
         if (more) {
-            const RingItem nx = s_next;
-            ring_issue(dsm + RTILE + (stage ^ 1) * L.stage, L, p, nx, braw_next, alog_next);
-            if (threadIdx.x == 0) s_items[stage ^ 1] = nx;
+            ring_issue(dsm + RTILE + (stage ^ 1) * L.stage, L, p, s_items[j1], braw_next, alog_next);
             issued += grid;
-            if (threadIdx.x == 0 && issued < total) {
-                const kda_u32 n = ring_seq(p, issued);
-                const volatile kda_u32* vm = metas + (size_t)s_la_slot * 4;
-                m_len = vm[0];
-                m_pend = vm[1];
-                m_acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
-                m_b0 = bounds[n];
-                m_b1 = bounds[n + 1];
-                if (issued + grid < total) z_slot = slots[ring_seq(p, issued + grid)];
-            }
         } else {
             cp_async_commit();
+        }
+        if (threadIdx.x == BK) {
+            // the previous item's arrival, then this one's: its token rows are in shared memory
+            // (the barrier above), so it has read all it reads of the ring. No fence: those
+            // reads are complete, which is all the last item's writes must come after.
+            ring_settle(s_prev, prev_old == per_seq - 1, metas, s_copy[stage]);
+            prev_old = atomicAdd(metas + (size_t)me.slot * 4 + 2, 1u);
+            s_prev.slot = me.slot;
+            s_prev.new_len = me.pl.new_len;
+            s_prev.new_pending = me.pl.new_pending;
+            s_prev.bos = me.bos;
+            s_prev.nnew = me.nnew;
+            s_prev.copy = me.pl.store_after != KDA_NONE && me.pl.append_at != KDA_NONE && me.nnew > 0;
+            // the plan of the item after the next (its record was loaded an iteration ago), then
+            // the loads for the ones after it
+            if (issued < total) {
+                s_items[j2] = ring_item(p, issued, rec);
+                if (issued + grid < total) {
+                    rec = ring_rec_load(p, issued + grid, la_slot);
+                    if (issued + 2 * grid < total) la_slot = slots[ring_seq(p, issued + 2 * grid)];
+                }
+            }
         }
 
         const kda_u32 pend = me.pl.pend, nnew = me.nnew;
@@ -379,9 +407,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
             tile_from_stage(reinterpret_cast<const ST*>(dsm), lk, col0l, cwv, RCW, s);
             __syncthreads();
             if (more) {
-                // the next item as thread 0 stored it before the barriers above (s_next may be
-                // rewritten by thread 0 before a slower warp gets here)
-                ring_issue_tile(dsm, p, s_items[stage ^ 1]);
+                ring_issue_tile(dsm, p, s_items[j1]);
             } else {
                 cp_async_commit();
             }
@@ -429,46 +455,26 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
                     for (int x = (int)threadIdx.x; x < cwv; x += RT) e[ov + x] = rv[x];
                 }
             }
+        } else if (more) {
+            // no tile to read: the next item's tile goes into the buffer now
+            ring_issue_tile(dsm, p, s_items[j1]);
+        } else {
+            cp_async_commit();
         }
-
-        if (!(nnew > 0 || store)) {
-            // no tile to read: the next item's tile goes into the buffer now (s_next is rewritten
-            // only after the barrier below)
-            if (more) {
-                ring_issue_tile(dsm, p, s_next);
-            } else {
-                cp_async_commit();
-            }
-            // every thread has read s_next and s_copy (an item with work passed barriers since)
-            __syncthreads();
-        }
-        // 4) arrival (thread 0): look at the previous item's, then arrive for this one
-        if (threadIdx.x == 0) {
-            ring_settle(s_prev, prev_old == per_seq - 1, metas, s_copy);
-            // No fence: this item's reads of the record and of the ring entries are complete (their
-            // values were used above), which is all the last item's writes must come after.
-            prev_old = atomicAdd(metas + (size_t)me.slot * 4 + 2, 1u);
-            s_prev.slot = me.slot;
-            s_prev.new_len = me.pl.new_len;
-            s_prev.new_pending = me.pl.new_pending;
-            s_prev.bos = me.bos;
-            s_prev.nnew = nnew;
-            s_prev.copy = store && me.pl.append_at != KDA_NONE && nnew > 0;
-            // the next item to issue, now that its record has arrived
-            if (issued < total) {
-                s_next = ring_item(p, issued, s_la_slot, m_b0, m_b1, m_len, m_pend, m_acc);
-                s_la_slot = z_slot;
-            }
-        }
+        const int jn = j0;
+        j0 = j1;
+        j1 = j2;
+        j2 = jn;
     }
     cp_async_wait<0>();
-    // the last publication, then the last arrival
+    // the last iteration's publication, then the last item's arrival
+    const int last = i - 1;
     __syncthreads();
-    if (s_copy[0] != KDA_NONE) ring_commit_copy(p, s_copy[0], s_copy[1], s_copy[2]);
+    const kda_u32* cp = s_copy[last & 1];
+    if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2]);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        ring_settle(s_prev, prev_old == per_seq - 1, metas, s_copy);
-    }
+    if (threadIdx.x == BK) ring_settle(s_prev, prev_old == per_seq - 1, metas, s_copy[(last + 1) & 1]);
     __syncthreads();
-    if (s_copy[0] != KDA_NONE) ring_commit_copy(p, s_copy[0], s_copy[1], s_copy[2]);
+    cp = s_copy[(last + 1) & 1];
+    if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2]);
 }
