@@ -895,32 +895,38 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
 }
 #endif
 
+// The 16-byte chunks of a K-first tile (columns cb.., cw of them, cwv valid) that this thread
+// moves between the head and the swizzled tile in shared memory: f(smem, glob) per chunk, with
+// the chunk's byte offset in the tile (chunk o of row `row` at chunk o ^ kf_swizzle(row)) and its
+// address in the head. cpr (chunks per tile row) divides blockDim.x (cw = warps x WC, WC x sizeof(ST) a
+// power-of-two multiple of 16 <= 512), so a thread moves chunk o of the rows row0 + m STEP,
+// STEP = blockDim.x / cpr = 512 / (WC sizeof(ST)) whatever the warps. tile_issue copies in,
+// tile_copy_out out, the same chunks.
+template <typename F>
+__device__ __forceinline__ void kf_tile_chunks(const ST* head, int cb, int cw, int cwv, F&& f) {
+    constexpr int STEP = 512 / (WC * (int)sizeof(ST));
+    constexpr int NR = (K + STEP - 1) / STEP;
+    const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
+    const int o = (int)threadIdx.x % cpr, row0 = (int)threadIdx.x / cpr;
+    const kda_u32 mask = kf_swizzle_mask(cpr);
+    if (o >= cprv) return;
+    const unsigned char* g0 = reinterpret_cast<const unsigned char*>(head + (size_t)row0 * V + cb) + 16 * o;
+    const kda_u32 rb = (kda_u32)cw * sizeof(ST), r0 = (kda_u32)row0;
+#pragma unroll
+    for (int m = 0; m < NR; ++m) {
+        const kda_u32 row = r0 + (kda_u32)(m * STEP);
+        if (K % STEP == 0 || row < (kda_u32)K) // no branch where every row is whole
+            f(row * rb + 16u * ((kda_u32)o ^ kf_swizzle(row, mask)), g0 + (size_t)m * STEP * V * sizeof(ST));
+    }
+}
+
 // Issues the cp.async copies of a state tile: columns cb.. (cw of them, cwv valid, whole 16-byte
 // chunks) of the value head at `head`, into `dst` (K-first [K][cw] swizzled, V-first [cw][K]).
 // The caller commits.
 __device__ __forceinline__ void tile_issue(unsigned char* dst, const ST* head, int cb, int cw, int cwv) {
     if constexpr (!VFIRST) {
-        // cpr (chunks per tile row) divides blockDim.x (cw = warps x WC, WC x sizeof(ST) a
-        // power-of-two multiple of 16 <= 512), so a thread copies chunk o of the rows
-        // row0 + m STEP, STEP = blockDim.x / cpr = 512 / (WC sizeof(ST)) whatever the warps.
-        constexpr int STEP = 512 / (WC * (int)sizeof(ST));
-        constexpr int NR = (K + STEP - 1) / STEP;
-        const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
-        const int o = (int)threadIdx.x % cpr, row0 = (int)threadIdx.x / cpr;
-        const kda_u32 mask = kf_swizzle_mask(cpr);
-        if (o < cprv) {
-            const unsigned char* src = reinterpret_cast<const unsigned char*>(head + (size_t)row0 * V + cb) + 16 * o;
-            const SmemAt d(dst);
-            const kda_u32 rb = (kda_u32)cw * sizeof(ST), r0 = (kda_u32)row0;
-#pragma unroll
-            for (int m = 0; m < NR; ++m) {
-                const kda_u32 row = r0 + (kda_u32)(m * STEP);
-                // 16-byte chunk o of a row lands at chunk o ^ kf_swizzle(row) (tile_from_stage)
-                if (K % STEP == 0 || row < (kda_u32)K) // no branch where every row is whole
-                    cp_async16_at(d, row * rb + 16u * ((kda_u32)o ^ kf_swizzle(row, mask)),
-                                  src + (size_t)m * STEP * V * sizeof(ST));
-            }
-        }
+        const SmemAt d(dst);
+        kf_tile_chunks(head, cb, cw, cwv, [&](kda_u32 smem, const unsigned char* g) { cp_async16_at(d, smem, g); });
     } else {
         copy_chunks(dst, reinterpret_cast<const unsigned char*>(head + (size_t)cb * K), cwv * K * (int)sizeof(ST));
     }
@@ -1042,23 +1048,12 @@ __device__ __forceinline__ void tile_to_stage(ST* t, int lk, int col0l, int cwv,
 }
 
 // K-first: the stage's tile (written by tile_to_stage) out to columns cb.. of the head, in the
-// 16-byte chunks tile_issue copied in (chunk o of row `row` sits at chunk o ^ kf_swizzle(row)).
+// 16-byte chunks tile_issue copied in.
 __device__ __forceinline__ void tile_copy_out(const unsigned char* src, ST* head, int cb, int cw, int cwv) {
-    constexpr int STEP = 512 / (WC * (int)sizeof(ST));
-    constexpr int NR = (K + STEP - 1) / STEP;
-    const int cpr = cw * (int)sizeof(ST) / 16, cprv = cwv * (int)sizeof(ST) / 16;
-    const int o = (int)threadIdx.x % cpr, row0 = (int)threadIdx.x / cpr;
-    const kda_u32 mask = kf_swizzle_mask(cpr);
-    if (o >= cprv) return;
-    unsigned char* dst = reinterpret_cast<unsigned char*>(head + (size_t)row0 * V + cb) + 16 * o;
-    const kda_u32 rb = (kda_u32)cw * sizeof(ST);
-#pragma unroll
-    for (int m = 0; m < NR; ++m) {
-        const kda_u32 row = (kda_u32)(row0 + m * STEP);
-        if (K % STEP == 0 || row < (kda_u32)K)
-            *reinterpret_cast<uint4*>(dst + (size_t)m * STEP * V * sizeof(ST)) =
-                *reinterpret_cast<const uint4*>(src + row * rb + 16u * ((kda_u32)o ^ kf_swizzle(row, mask)));
-    }
+    // (the chunks' addresses come back const: they are the head's own, writable)
+    kf_tile_chunks(head, cb, cw, cwv, [&](kda_u32 smem, const unsigned char* g) {
+        *reinterpret_cast<uint4*>(const_cast<unsigned char*>(g)) = *reinterpret_cast<const uint4*>(src + smem);
+    });
 }
 
 // The body of kda_eager and kda_eager_stage. VIA_STAGE (2-byte K-first only): the updated tile
