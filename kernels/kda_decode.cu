@@ -296,6 +296,9 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
 // (reduced over K; every lane of a column group ends with the same bits). k, d, q: activated
 // per-row values (padded K rows); vp[c]: the value of the lane's column c (valid for c < vlim).
 // Both kernels step through this one function, so eager decode and the ring agree bit for bit.
+// VEC_V: the values as one vector where all TV are valid (kda_ring; in the eager kernels the
+// second path cost registers).
+template <bool VEC_V = false>
 __device__ __forceinline__ void token_step(float (&s)[TK][TV], const float* k, const float* d, const float* q,
                                            const float* vp, int vlim, float bt, int lk, bool out,
                                            float (&o)[TV]) {
@@ -319,10 +322,18 @@ __device__ __forceinline__ void token_step(float (&s)[TK][TV], const float* k, c
     reduce_k(acc);
     // 3) u = beta (v - k S), rank-1 update; 4) read-out for new tokens
     float u[TV];
+    if (VEC_V && TV == 4 && vlim >= TV) {
+        // one 16-byte load (the ring's value rows are 16-byte aligned, col0 a multiple of TV)
+        const float4 x = *reinterpret_cast<const float4*>(vp);
+        const float vv[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-    for (int c = 0; c < TV; ++c) {
-        const float vv = c < vlim ? vp[c] : 0.0f;
-        u[c] = bt * (vv - acc[c]);
+        for (int c = 0; c < TV; ++c) u[c] = bt * (vv[c % 4] - acc[c]);
+    } else {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) {
+            const float vv = c < vlim ? vp[c] : 0.0f;
+            u[c] = bt * (vv - acc[c]);
+        }
     }
     float kv[TK];
     rows_from_smem(k, lk, kv);

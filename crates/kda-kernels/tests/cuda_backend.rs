@@ -618,6 +618,8 @@ fn cuda_pipelined_ring_kernel_equals_the_one_unit_per_cta_kernel_bit_for_bit() {
             (2, 4, 128, 128, Dtype::Fp32, 4, StateLayout::VFirst),
             (2, 6, 32, 96, Dtype::Fp16, 1, StateLayout::KFirst),
             (4, 4, 128, 128, Dtype::Fp16, 12, StateLayout::KFirst),
+            // two column blocks per value head; 4-byte ring rows
+            (2, 2, 128, 256, Dtype::Bf16, 4, StateLayout::KFirst),
         ] {
             let mut c = case(h, hv, k, v, state, input, layout, ring_len);
             if ring_len == 1 {
