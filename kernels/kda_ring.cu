@@ -27,6 +27,11 @@
 // `arrive` counter) copies the whole slot's new entries, and writes the new record, one item
 // later (the atomic's result is not waited for in the item that issues it). An item arrives once
 // its token rows are in shared memory, i.e. once it has read all it reads of the ring.
+//
+// Code size. The item loop waits on instruction fetch (ncu: 10% of stall samples), so the rare
+// paths (the commit copy, the epilogue, the copies for each row granularity) are written once
+// and not unrolled: 10k -> 5k SASS instructions made ring decode 1-4% faster for 2-byte pools
+// and 3-4% for fp32 ones (docs/performance.md, tenth session).
 #include "kda_decode.cu"
 
 namespace kda {
@@ -194,15 +199,15 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
         bytes = cmin(RCW, V - it.cb) * (int)sizeof(IT);
     }
     for (kda_u32 t = (kda_u32)(warp >> 2); t < ntok; t += 2) {
-        if (t < it.pl.pend) {
-            if (part != 0) copy_row(dst + (int)t * dstride, src_p + t * entry, bytes, (int)p.ring_gran, lane);
-        } else {
-            copy_row(dst + (int)t * dstride, src_n + (t - it.pl.pend) * stride_n, bytes, (int)p.ring_gran, lane);
-        }
+        const bool pending = t < it.pl.pend;
+        if (pending && part == 0) continue;
+        copy_row(dst + (int)t * dstride, pending ? src_p + t * entry : src_n + (t - it.pl.pend) * stride_n, bytes,
+                 (int)p.ring_gran, lane);
     }
     if (p.gate_mode != 0u) {
         const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)it.hv * K;
-        for (int j = (int)threadIdx.x; j < K / 4; j += RT) cp_async16(st + L.bias + 16 * j, bias + 4 * j);
+        static_assert(K / 4 <= RT, "one dt_bias chunk per thread");
+        if ((int)threadIdx.x < K / 4) cp_async16(st + L.bias + 16 * threadIdx.x, bias + 4 * threadIdx.x);
     }
     cp_async_commit();
     if (threadIdx.x < ntok) {
@@ -225,8 +230,10 @@ __device__ __forceinline__ void ring_issue_tile(unsigned char* tile, const KdaPa
 }
 
 // The CTA copies n words of W from s to d, four loads in flight per thread.
+// (Loops not unrolled further: the kernel's code stays small.)
 template <typename W> __device__ __forceinline__ void cta_copy(W* d, const W* s, size_t n) {
     size_t i = threadIdx.x;
+#pragma unroll 1
     for (; i + 3 * RT < n; i += 4 * RT) {
         const W a = s[i], b = s[i + RT], c = s[i + 2 * RT], e = s[i + 3 * RT];
         d[i] = a;
@@ -234,6 +241,7 @@ template <typename W> __device__ __forceinline__ void cta_copy(W* d, const W* s,
         d[i + 2 * RT] = c;
         d[i + 3 * RT] = e;
     }
+#pragma unroll 1
     for (; i < n; i += RT) d[i] = s[i];
 }
 
@@ -258,9 +266,7 @@ __device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slo
     for (kda_u32 j = 0; j < nnew; ++j) {
         const size_t tok = bos + j;
         IT* e = ring + (size_t)j * entry;
-        // one copy loop for the three rows (k, v, g), and one call site in the epilogue below:
-        // the kernel's code a third smaller, 2-4% faster for 2-byte pools on the H200 (docs/
-        // performance.md, tenth session)
+        // one copy loop for the three rows (k, v, g) (code size: see the header)
 #pragma unroll 1
         for (int part = 0; part < 3; ++part) {
             const size_t n = part == 0 ? hk : part == 1 ? hvv : hvk;
@@ -486,16 +492,12 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
                     IT* e = reinterpret_cast<IT*>(p.ring) +
                             ((size_t)me.slot * p.ring_len + me.pl.append_at + (kda_u32)j) * entry;
                     const size_t hk = (size_t)p.h * K, hvv = (size_t)p.hv * V;
-                    if (part == 0) {
-                        if (lane == 0)
-                            e[hk + hvv + (size_t)p.hv * K + me.hv] = KdaElem<IT>::from_f32(braw_s[stage * MTC + t]);
-                        if (me.hv == h * group) store_row(e + (size_t)h * K, row, K * (int)sizeof(IT), (int)p.ring_gran, lane);
-                    } else if (part == 1) {
-                        store_row(e + hk + hvv + (size_t)me.hv * K, row + RK, K * (int)sizeof(IT), (int)p.ring_gran, lane);
-                    } else {
-                        store_row(e + hk + (size_t)me.hv * V + me.cb, row + 2 * RK, cwv * (int)sizeof(IT),
-                                  (int)p.ring_gran, lane);
-                    }
+                    if (part == 0 && lane == 0)
+                        e[hk + hvv + (size_t)p.hv * K + me.hv] = KdaElem<IT>::from_f32(braw_s[stage * MTC + t]);
+                    if (part == 0 && me.hv != h * group) continue; // the group's first value head writes k
+                    store_row(e + (part == 0 ? (size_t)h * K : part == 1 ? hk + hvv + (size_t)me.hv * K
+                                                                           : hk + (size_t)me.hv * V + me.cb),
+                              row + part * RK, (part == 2 ? cwv : K) * (int)sizeof(IT), (int)p.ring_gran, lane);
                 }
             }
         } else if (more) {
