@@ -197,19 +197,16 @@ fn num_sets(set_bytes: usize) -> usize {
     (256usize << 20).div_ceil(set_bytes.max(1)).clamp(8, 64)
 }
 
-fn setup(
-    be: &CudaBackend,
+/// The pool geometry of the bench's cases: one layer, HV = H, K = V = 128, inputs and ring in
+/// bf16, nearest rounding.
+fn bench_geometry(
     h: usize,
-    n: usize,
-    t: usize,
+    slots: usize,
     ring_len: usize,
     state: Dtype,
     layout: StateLayout,
-) -> Result<Setup, CliError> {
-    let mem = be.memory();
-    let set_bytes = n * h * KD * KD * state.size();
-    let r = num_sets(set_bytes);
-    let geometry = PoolGeometry {
+) -> PoolGeometry {
+    PoolGeometry {
         layers: 1,
         h,
         hv: h,
@@ -222,10 +219,25 @@ fn setup(
         layout,
         ring_len,
         ring_dtype: IN,
-        slots: r * n,
+        slots,
         checkpoint_slots: 0,
         rounding: Rounding::Nearest,
-    };
+    }
+}
+
+fn setup(
+    be: &CudaBackend,
+    h: usize,
+    n: usize,
+    t: usize,
+    ring_len: usize,
+    state: Dtype,
+    layout: StateLayout,
+) -> Result<Setup, CliError> {
+    let mem = be.memory();
+    let set_bytes = n * h * KD * KD * state.size();
+    let r = num_sets(set_bytes);
+    let geometry = bench_geometry(h, r * n, ring_len, state, layout);
     let mut planes = LayerPlanes::new(mem, &geometry, 0).map_err(perr)?;
     be.fill_random(&mut planes.ssm, state, 1, 0.1)
         .map_err(kerr)?;
@@ -540,6 +552,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
     }
     let be = CudaBackend::new().map_err(kerr)?;
     println!("device: {}", be.device_name());
+    // every kernel module of the run, compiled in parallel before anything is timed
+    let geometries: Vec<PoolGeometry> = states
+        .iter()
+        .flat_map(|&state| {
+            layouts
+                .iter()
+                .map(move |&layout| bench_geometry(1, 1, 1, state, layout))
+        })
+        .collect();
+    be.warm_up(&geometries).map_err(kerr)?;
     // warm the clocks up, then measure the copy ceiling: the best of the copy kernel's shapes
     const CEILING: usize = 1 << 30;
     be.time_copies(CEILING, 1, 50, 50).map_err(kerr)?;

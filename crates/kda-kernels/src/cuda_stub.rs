@@ -2,7 +2,7 @@
 //! names and signatures, so callers need no `cfg`; [`CudaBackend::new`] reports
 //! [`KernelError::Unavailable`] and no value of these types can exist.
 
-use state_pool::{DeviceMemory, Dtype, LayerMut};
+use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry};
 
 use crate::api::{
     Backend, BatchPlan, IndexView, KdaOptions, StepInputs, TensorView, TensorViewMut,
@@ -128,6 +128,10 @@ impl CudaBackend {
     }
     /// The device's description.
     pub fn device_name(&self) -> &str {
+        match *self {}
+    }
+    /// Compiles and loads the kernels of these geometries ahead of their first use.
+    pub fn warm_up(&self, _geometries: &[PoolGeometry]) -> Result<()> {
         match *self {}
     }
     /// Fixes the warps per CTA of eager decode.

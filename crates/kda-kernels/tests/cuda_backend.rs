@@ -15,7 +15,7 @@
 
 use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
-    assert_bits_eq, assert_refused, batch_plan, check_rejects_bad_input,
+    assert_bits_eq, assert_refused, bad_input_case, batch_plan, check_rejects_bad_input,
     check_ring_decode_matches_eager, check_ring_rounds_once_per_commit,
     check_spec_verify_matches_eager, initial_states, layer_with_states, rel_frobenius_f32,
     run_replay, run_tokens, twin_layers, upload, upload_bytes, Case, DeviceInputs, HostInputs,
@@ -24,17 +24,54 @@ use kda_kernels::testing::{
 use kda_kernels::{Backend, CpuBackend, GateMode, IndexView, KernelError, TensorViewMut};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use state_pool::{DeviceMemory, Dtype, RingMeta, Rounding, StateLayout};
+use state_pool::{DeviceMemory, Dtype, PoolGeometry, RingMeta, Rounding, StateLayout};
+use std::sync::Once;
 
-/// The CUDA backend, or `None` after printing why the test is skipped.
+/// The CUDA backend, or `None` after printing why the test is skipped. The first call compiles
+/// the kernel modules of the suite's shapes at once ([`suite_geometries`]): one after another,
+/// on first use, they took most of the suite's time.
 fn cuda() -> Option<CudaBackend> {
+    static WARM: Once = Once::new();
     match CudaBackend::new() {
-        Ok(be) => Some(be),
+        Ok(be) => {
+            WARM.call_once(|| {
+                be.warm_up(&suite_geometries())
+                    .expect("the suite's kernels compile")
+            });
+            Some(be)
+        }
         Err(e) => {
             eprintln!("skipped: {e}");
             None
         }
     }
+}
+
+/// A pool of each (state dtype, input dtype, layout, K, V) the tests below use; only those
+/// decide the kernel module. A shape missing here compiles on its first use.
+fn suite_geometries() -> Vec<PoolGeometry> {
+    use StateLayout::{KFirst, VFirst};
+    let mut shapes = Vec::new();
+    for state in Dtype::ALL {
+        for layout in [KFirst, VFirst] {
+            shapes.push((state, Dtype::Fp32, layout, 32, 48));
+            shapes.push((state, Dtype::Bf16, layout, 128, 128));
+        }
+        shapes.push((state, Dtype::Fp32, VFirst, 128, 128));
+        shapes.push((state, Dtype::Fp16, KFirst, 32, 96));
+        shapes.push((state, Dtype::Fp16, KFirst, 128, 128));
+        shapes.push((state, Dtype::Bf16, KFirst, 128, 256));
+    }
+    for layout in [KFirst, VFirst] {
+        shapes.push((Dtype::Fp16, Dtype::Fp16, layout, 5, 7));
+    }
+    shapes.push((Dtype::Fp32, Dtype::Fp32, KFirst, 16, 16));
+    let mut geometries: Vec<PoolGeometry> = shapes
+        .into_iter()
+        .map(|(state, input, layout, k, v)| case(1, 1, k, v, state, input, layout, 1).geometry())
+        .collect();
+    geometries.push(bad_input_case().geometry());
+    geometries
 }
 
 /// A case with the given shape and pool, sequences in scattered slots of a larger pool.

@@ -18,13 +18,13 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use state_pool::{DeviceMemory, Dtype, LayerMut, RingMeta, Rounding, StateLayout};
+use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{
     FastDiv, KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT,
 };
-use super::registry::{eager_kernel, ring_kernel, step_kernel, StepKey};
+use super::registry::{eager_kernel, ring_kernel, step_kernel, warm_up, StepKey};
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
     TensorViewMut,
@@ -370,6 +370,25 @@ impl CudaBackend {
     /// The device's name, compute capability and multiprocessor count.
     pub fn device_name(&self) -> &str {
         &self.device_name
+    }
+
+    /// Compiles and loads, several at a time, the kernels that calls on layers of these
+    /// geometries use (inputs in each geometry's `ring_dtype`), so that no later call waits for
+    /// NVRTC. Without it a kernel module compiles on its first use, taking seconds. An engine
+    /// calls this once at startup with the geometries of its pools; modules already loaded are
+    /// skipped. The first compile or load error, if any.
+    pub fn warm_up(&self, geometries: &[PoolGeometry]) -> Result<()> {
+        let keys: Vec<StepKey> = geometries
+            .iter()
+            .map(|g| StepKey {
+                state: g.state_dtype,
+                input: g.ring_dtype,
+                layout: g.layout,
+                k: g.k,
+                v: g.v,
+            })
+            .collect();
+        warm_up(&self.ctx, &keys)
     }
 
     /// The stream all work runs on.

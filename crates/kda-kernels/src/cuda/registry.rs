@@ -1,12 +1,15 @@
 //! The lazy kernel registry: the kernel sources of `kernels/` (embedded with `include_str!`)
 //! are specialised by prepending `#define`s, compiled with NVRTC for the device's compute
-//! capability on first use, loaded, and cached for the rest of the process, one module per
-//! (device, state dtype, input dtype, layout, K, V).
+//! capability on first use (or ahead of it, several in parallel: [`warm_up`]), loaded, and
+//! cached for the rest of the process, one module per (device, state dtype, input dtype,
+//! layout, K, V), plus one for the fill and copy kernels. A module's compile holds only that
+//! module's slot, so different modules compile at the same time.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
+use rayon::prelude::*;
 
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
@@ -52,6 +55,22 @@ impl Key {
             Key::Copy => "kda_copy",
         }
     }
+
+    /// The module that holds the kernel.
+    fn module(self) -> ModuleKey {
+        match self {
+            Key::Step(k) | Key::Eager(k) | Key::EagerStage(k) | Key::Ring(k) => ModuleKey::Step(k),
+            Key::Fill | Key::Copy => ModuleKey::Fill,
+        }
+    }
+}
+
+/// What one module is compiled from: a `kda_step` specialisation (four kernels) or the fill
+/// source (two).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum ModuleKey {
+    Step(StepKey),
+    Fill,
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
@@ -64,7 +83,11 @@ fn step_module(k: StepKey) -> [Key; 4] {
     ]
 }
 
-type Cache = Mutex<HashMap<(usize, Key), CudaFunction>>;
+/// A loaded module's kernels.
+type Functions = Arc<Vec<(Key, CudaFunction)>>;
+/// One module's place in the cache: empty until it has compiled and loaded.
+type Slot = Arc<Mutex<Option<Functions>>>;
+type Cache = Mutex<HashMap<(usize, ModuleKey), Slot>>;
 
 fn cache() -> &'static Cache {
     static CACHE: OnceLock<Cache> = OnceLock::new();
@@ -171,42 +194,62 @@ fn compile(
         .collect()
 }
 
-fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
-    let mut map = cache().lock();
-    if let Some(f) = map.get(&(ctx.ordinal(), key)) {
-        return Ok(f.clone());
+/// The kernels of module `mk`, compiled and loaded on first use. The cache's lock is held only
+/// to find the module's slot; the compile holds that slot alone, so a caller waits only for the
+/// module it needs.
+fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
+    let slot = cache()
+        .lock()
+        .entry((ctx.ordinal(), mk))
+        .or_default()
+        .clone();
+    let mut loaded = slot.lock();
+    if let Some(fs) = loaded.as_ref() {
+        return Ok(fs.clone());
     }
-    let one = |r: Result<Vec<CudaFunction>>| r.map(|mut v| v.remove(0));
-    let f = match key {
-        Key::Step(k) | Key::Eager(k) | Key::EagerStage(k) | Key::Ring(k) => {
-            let name = format!(
+    let (keys, name, src) = match mk {
+        ModuleKey::Step(k) => (
+            step_module(k).to_vec(),
+            format!(
                 "kda_decode_{}_{}_{}_k{}_v{}.cu",
                 k.state.name(),
                 k.input.name(),
                 k.layout.name(),
                 k.k,
                 k.v
-            );
-            let keys = step_module(k);
-            let fs = compile(ctx, &step_source(&k), &name, &keys.map(Key::entry))?;
-            let mut wanted = None;
-            for (kk, f) in keys.into_iter().zip(fs) {
-                if kk == key {
-                    wanted = Some(f.clone());
-                }
-                map.insert((ctx.ordinal(), kk), f);
-            }
-            return wanted.ok_or_else(|| unavailable(format!("no kernel for {key:?} in {name}")));
-        }
-        Key::Fill | Key::Copy => one(compile(
-            ctx,
-            &source("", FILL),
-            "kda_fill.cu",
-            &[key.entry()],
-        ))?,
+            ),
+            step_source(&k),
+        ),
+        ModuleKey::Fill => (
+            vec![Key::Fill, Key::Copy],
+            "kda_fill.cu".to_string(),
+            source("", FILL),
+        ),
     };
-    map.insert((ctx.ordinal(), key), f.clone());
-    Ok(f)
+    let entries: Vec<&str> = keys.iter().map(|k| k.entry()).collect();
+    let fs: Functions = Arc::new(
+        keys.into_iter()
+            .zip(compile(ctx, &src, &name, &entries)?)
+            .collect(),
+    );
+    *loaded = Some(fs.clone());
+    Ok(fs)
+}
+
+fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
+    module(ctx, key.module())?
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, f)| f.clone())
+        .ok_or_else(|| unavailable(format!("no kernel for {key:?} in its module")))
+}
+
+/// Compiles and loads the `kda_step` modules of `keys` that are not loaded yet, in parallel
+/// (NVRTC and the driver's load run on rayon's threads, the context bound on each), so later
+/// calls find them ready. The first error, if any.
+pub(crate) fn warm_up(ctx: &Arc<CudaContext>, keys: &[StepKey]) -> Result<()> {
+    keys.par_iter()
+        .try_for_each(|&k| module(ctx, ModuleKey::Step(k)).map(drop))
 }
 
 /// The `kda_step` kernel specialised on `key`, compiled on first use.
@@ -278,6 +321,28 @@ mod tests {
     }
 
     #[test]
+    fn each_kernel_is_looked_up_in_the_module_that_compiles_it() {
+        let k = StepKey {
+            state: Dtype::Bf16,
+            input: Dtype::Fp16,
+            layout: StateLayout::VFirst,
+            k: 64,
+            v: 32,
+        };
+        for key in step_module(k) {
+            assert_eq!(key.module(), ModuleKey::Step(k), "{key:?}");
+        }
+        for key in [Key::Fill, Key::Copy] {
+            assert_eq!(key.module(), ModuleKey::Fill, "{key:?}");
+        }
+        let names: Vec<&str> = step_module(k).iter().map(|key| key.entry()).collect();
+        assert_eq!(
+            names,
+            ["kda_step", "kda_eager", "kda_eager_stage", "kda_ring"]
+        );
+    }
+
+    #[test]
     fn every_kernel_variant_compiles_with_nvrtc_and_defines_the_loaded_entry_points() {
         let mut keys = Vec::new();
         for state in Dtype::ALL {
@@ -306,23 +371,24 @@ mod tests {
                 v,
             });
         }
-        for key in keys {
-            match try_compile(&step_source(&key), "kda_decode.cu") {
-                None => {
-                    eprintln!("skipped: no NVRTC library on this machine");
-                    return;
-                }
-                Some(r) => {
-                    let ptx = r.unwrap_or_else(|e| panic!("{key:?}: {e}"));
-                    for f in step_module(key).map(Key::entry) {
-                        assert!(has_entry(&ptx, f), "{key:?}: no entry point {f} in the PTX");
-                    }
-                    assert!(
-                        !has_entry(&ptx, "kda_eage"),
-                        "has_entry matches whole names only"
-                    );
-                }
+        // compiled several at a time, as `warm_up` does (NVRTC compiles programs concurrently)
+        let results: Vec<_> = keys
+            .par_iter()
+            .map(|key| (key, try_compile(&step_source(key), "kda_decode.cu")))
+            .collect();
+        for (key, r) in results {
+            let Some(r) = r else {
+                eprintln!("skipped: no NVRTC library on this machine");
+                return;
+            };
+            let ptx = r.unwrap_or_else(|e| panic!("{key:?}: {e}"));
+            for f in step_module(*key).map(Key::entry) {
+                assert!(has_entry(&ptx, f), "{key:?}: no entry point {f} in the PTX");
             }
+            assert!(
+                !has_entry(&ptx, "kda_eage"),
+                "has_entry matches whole names only"
+            );
         }
         if let Some(r) = try_compile(&source("", FILL), "kda_fill.cu") {
             let ptx = r.unwrap();
