@@ -29,7 +29,8 @@ use std::sync::Once;
 
 /// The CUDA backend, or `None` after printing why the test is skipped. The first call compiles
 /// the kernel modules of the suite's shapes at once ([`suite_geometries`]): one after another,
-/// on first use, they took most of the suite's time.
+/// on first use, NVRTC alone takes about 2 s per module (measured on a build machine), for
+/// 28 modules against a suite of 130-220 s on the H200.
 fn cuda() -> Option<CudaBackend> {
     static WARM: Once = Once::new();
     match CudaBackend::new() {
