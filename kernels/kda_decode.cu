@@ -452,9 +452,16 @@ __device__ __forceinline__ float act_beta(float b, const KdaParams& p) {
 
 // Elements of one ring entry: one token's k rows of every q/k head, then v, g rows and betas of
 // every value head (geometry.rs, `ring_entry_offsets`).
-__device__ __forceinline__ size_t ring_entry_elems(const KdaParams& p) {
-    return (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + p.hv;
+// Element offsets inside an entry: the v row, the g row and the beta of value head hv (the k
+// row of q/k head h is at h K).
+__device__ __forceinline__ size_t ring_off_v(const KdaParams& p, size_t hv) { return (size_t)p.h * K + hv * V; }
+__device__ __forceinline__ size_t ring_off_g(const KdaParams& p, size_t hv) {
+    return (size_t)p.h * K + (size_t)p.hv * V + hv * K;
 }
+__device__ __forceinline__ size_t ring_off_beta(const KdaParams& p, size_t hv) {
+    return (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv;
+}
+__device__ __forceinline__ size_t ring_entry_elems(const KdaParams& p) { return ring_off_beta(p, p.hv); }
 
 // Activates the tokens [t0, t0 + tc) of the combined sequence (pending ring entries, then the
 // new tokens) into shared memory: one warp per token.
@@ -470,9 +477,9 @@ __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan
         if (!fresh) {
             const IT* base = reinterpret_cast<const IT*>(p.ring) + ((size_t)slot * p.ring_len + tt) * entry;
             kp = base + (size_t)h * K;
-            vp = base + (size_t)p.h * K + (size_t)hv * V;
-            gp = base + (size_t)p.h * K + (size_t)p.hv * V + (size_t)hv * K;
-            bp = base + (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv;
+            vp = base + ring_off_v(p, hv);
+            gp = base + ring_off_g(p, hv);
+            bp = base + ring_off_beta(p, hv);
         } else {
             const size_t tok = bos + (tt - pl.pend);
             kp = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
@@ -589,11 +596,11 @@ __device__ __forceinline__ void ring_finish(const KdaParams& p, const Plan& pl, 
                 for (int i = threadIdx.x; i < K; i += blockDim.x)
                     e[(size_t)h * K + i] = ik[(tok * p.h + h) * K + i];
                 for (int i = threadIdx.x; i < hpc * V; i += blockDim.x)
-                    e[(size_t)p.h * K + (size_t)hv0 * V + i] = iv[(tok * p.hv + hv0) * V + i];
+                    e[ring_off_v(p, hv0) + i] = iv[(tok * p.hv + hv0) * V + i];
                 for (int i = threadIdx.x; i < hpc * K; i += blockDim.x)
-                    e[(size_t)p.h * K + (size_t)p.hv * V + (size_t)hv0 * K + i] = ig[(tok * p.hv + hv0) * K + i];
+                    e[ring_off_g(p, hv0) + i] = ig[(tok * p.hv + hv0) * K + i];
                 for (int i = threadIdx.x; i < hpc; i += blockDim.x)
-                    e[(size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv0 + i] = ib[tok * p.hv + hv0 + i];
+                    e[ring_off_beta(p, hv0) + i] = ib[tok * p.hv + hv0 + i];
             }
         }
         // The new bookkeeping, written by the last CTA of the slot to arrive.
@@ -640,13 +647,13 @@ __device__ __forceinline__ void prefetch_prepass(const KdaParams& p, kda_u32 slo
                 ptr = e + h * K;
                 len = K;
             } else if (part == 1) {
-                ptr = e + (size_t)p.h * K + hv0 * V;
+                ptr = e + ring_off_v(p, hv0);
                 len = hpc * V;
             } else if (part == 2) {
-                ptr = e + (size_t)p.h * K + (size_t)p.hv * V + hv0 * K;
+                ptr = e + ring_off_g(p, hv0);
                 len = hpc * K;
             } else {
-                ptr = e + (size_t)p.h * K + (size_t)p.hv * V + (size_t)p.hv * K + hv0;
+                ptr = e + ring_off_beta(p, hv0);
                 len = hpc;
             }
         } else {

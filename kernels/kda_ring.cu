@@ -187,12 +187,12 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
         stride_n = hk;
         dst = st;
     } else if (part == 2) {
-        src_p = ring + hk + (size_t)p.hv * V + (size_t)it.hv * K;
+        src_p = ring + ring_off_g(p, it.hv);
         src_n = reinterpret_cast<const IT*>(p.g) + ((size_t)it.bos * p.hv + it.hv) * K;
         stride_n = (size_t)p.hv * K;
         dst = st + RK;
     } else {
-        src_p = ring + hk + (size_t)it.hv * V + it.cb;
+        src_p = ring + ring_off_v(p, it.hv) + it.cb;
         src_n = reinterpret_cast<const IT*>(p.v) + ((size_t)it.bos * p.hv + it.hv) * V + it.cb;
         stride_n = (size_t)p.hv * V;
         dst = st + 2 * RK;
@@ -212,7 +212,7 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
     cp_async_commit();
     if (threadIdx.x < ntok) {
         const kda_u32 t = threadIdx.x;
-        const IT* b = t < it.pl.pend ? ring + (size_t)t * entry + hk + (size_t)p.hv * (V + K) + it.hv
+        const IT* b = t < it.pl.pend ? ring + (size_t)t * entry + ring_off_beta(p, it.hv)
                                      : reinterpret_cast<const IT*>(p.beta) + (size_t)(it.bos + t - it.pl.pend) * p.hv + it.hv;
         braw = kda_load(*b);
     }
@@ -271,10 +271,11 @@ __device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slo
         for (int part = 0; part < 3; ++part) {
             const size_t n = part == 0 ? hk : part == 1 ? hvv : hvk;
             const IT* src = reinterpret_cast<const IT*>(part == 0 ? p.k : part == 1 ? p.v : p.g) + tok * n;
-            cta_copy_bytes(e + (part == 0 ? 0 : part == 1 ? hk : hk + hvv), src, n * sizeof(IT), gran);
+            const size_t at = part == 0 ? 0 : part == 1 ? ring_off_v(p, 0) : ring_off_g(p, 0);
+            cta_copy_bytes(e + at, src, n * sizeof(IT), gran);
         }
         for (size_t i = threadIdx.x; i < p.hv; i += RT)
-            e[hk + hvv + hvk + i] = reinterpret_cast<const IT*>(p.beta)[tok * p.hv + i];
+            e[ring_off_beta(p, i)] = reinterpret_cast<const IT*>(p.beta)[tok * p.hv + i];
     }
 }
 
@@ -491,12 +492,12 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
                     const unsigned char* row = tokrow + t * L.tokb;
                     IT* e = reinterpret_cast<IT*>(p.ring) +
                             ((size_t)me.slot * p.ring_len + me.pl.append_at + (kda_u32)j) * entry;
-                    const size_t hk = (size_t)p.h * K, hvv = (size_t)p.hv * V;
                     if (part == 0 && lane == 0)
-                        e[hk + hvv + (size_t)p.hv * K + me.hv] = KdaElem<IT>::from_f32(braw_s[stage * MTC + t]);
+                        e[ring_off_beta(p, me.hv)] = KdaElem<IT>::from_f32(braw_s[stage * MTC + t]);
                     if (part == 0 && me.hv != h * group) continue; // the group's first value head writes k
-                    store_row(e + (part == 0 ? (size_t)h * K : part == 1 ? hk + hvv + (size_t)me.hv * K
-                                                                           : hk + (size_t)me.hv * V + me.cb),
+                    store_row(e + (part == 0   ? (size_t)h * K
+                                   : part == 1 ? ring_off_g(p, me.hv)
+                                               : ring_off_v(p, me.hv) + me.cb),
                               row + part * RK, (part == 2 ? cwv : K) * (int)sizeof(IT), (int)p.ring_gran, lane);
                 }
             }
