@@ -31,7 +31,8 @@
 // Code size. The item loop waits on instruction fetch (ncu: 10% of stall samples), so the rare
 // paths (the commit copy, the epilogue, the copies for each row granularity) are written once
 // and not unrolled: 10k -> 5k SASS instructions made ring decode 1-4% faster for 2-byte pools
-// and 3-4% for fp32 ones (docs/performance.md, tenth session).
+// and 3-4% for fp32 ones (docs/performance.md, tenth session); the row copies' loops not
+// unrolled either (5k -> 4.2k), about 1% more at N = 256 (eleventh session).
 #include "kda_decode.cu"
 
 namespace kda {
@@ -121,10 +122,13 @@ __device__ __forceinline__ RingItem ring_item(const KdaParams& p, kda_u32 item, 
 __device__ __forceinline__ void copy_row(unsigned char* dst, const void* src, int bytes, int gran, int lane) {
     const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
     if (gran == 16) {
+#pragma unroll 1
         for (int j = 16 * lane; j < bytes; j += 16 * 32) cp_async16(dst + j, s + j);
     } else if (gran == 8) {
+#pragma unroll 1
         for (int j = 8 * lane; j < bytes; j += 8 * 32) cp_async8(dst + j, s + j);
     } else {
+#pragma unroll 1
         for (int j = 4 * lane; j < bytes; j += 4 * 32) cp_async4(dst + j, s + j);
     }
 }
@@ -134,12 +138,15 @@ __device__ __forceinline__ void copy_row(unsigned char* dst, const void* src, in
 __device__ __forceinline__ void store_row(void* dst, const unsigned char* src, int bytes, int gran, int lane) {
     unsigned char* d = reinterpret_cast<unsigned char*>(dst);
     if (gran == 16) {
+#pragma unroll 1
         for (int j = 16 * lane; j < bytes; j += 16 * 32)
             *reinterpret_cast<uint4*>(d + j) = *reinterpret_cast<const uint4*>(src + j);
     } else if (gran == 8) {
+#pragma unroll 1
         for (int j = 8 * lane; j < bytes; j += 8 * 32)
             *reinterpret_cast<uint2*>(d + j) = *reinterpret_cast<const uint2*>(src + j);
     } else {
+#pragma unroll 1
         for (int j = 4 * lane; j < bytes; j += 4 * 32)
             *reinterpret_cast<kda_u32*>(d + j) = *reinterpret_cast<const kda_u32*>(src + j);
     }
