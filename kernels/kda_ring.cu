@@ -1,6 +1,6 @@
 // Decode, spec_verify and replay over the replay ring, pipelined (kda_ring): the default kernel
-// with a ring and nearest rounding where the shape fits, fp32 spec_verify and replay excepted
-// (`ring_plan` in backend.rs; kda_step otherwise). Compiled in the same module as
+// with a ring and nearest rounding where the shape fits (`ring_plan` in backend.rs; kda_step
+// otherwise). Compiled in the same module as
 // kda_decode.cu, after it: the token step, the activations, the plan, the ring layout and the
 // tile copies are shared, so it gives kda_step's bits (and, for fp32 pools, eager decode's).
 //

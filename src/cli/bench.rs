@@ -705,40 +705,52 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
                                 let sets = s.batches.len();
-                                let g_both = be
-                                    .capture(|| {
-                                        for set in 0..sets {
-                                            reset(&mut s)?;
-                                            enqueue(&be, &mut s, kind, set, None)?;
-                                        }
-                                        Ok(())
-                                    })
-                                    .map_err(kerr)?;
-                                let g_reset = be
-                                    .capture(|| {
-                                        for _ in 0..sets {
-                                            reset(&mut s)?;
-                                        }
-                                        Ok(())
-                                    })
-                                    .map_err(kerr)?;
-                                let both = be.time_graph(&g_both, 3, b.replays).map_err(kerr)?;
-                                let only = be.time_graph(&g_reset, 3, b.replays).map_err(kerr)?;
-                                be.check_device_errors().map_err(kerr)?;
-                                let us = (both - only) / sets as f64;
                                 let (sb, eb) = (s.state_bytes(), s.entry_bytes());
-                                b.record(
-                                    "replay",
-                                    h,
-                                    n,
-                                    0,
-                                    l,
-                                    state,
-                                    layout,
-                                    sets,
-                                    us,
-                                    2.0 * sb + eb * l as f64,
-                                )?;
+                                // the default kernel, then each ring kernel (kda_ring, kda_step),
+                                // same run; a graph keeps the kernel chosen at its capture
+                                for (op, on) in [
+                                    ("replay", None),
+                                    ("replay-piped", Some(true)),
+                                    ("replay-step", Some(false)),
+                                ] {
+                                    be.set_ring_pipelined(on).map_err(kerr)?;
+                                    let g_both = be
+                                        .capture(|| {
+                                            for set in 0..sets {
+                                                reset(&mut s)?;
+                                                enqueue(&be, &mut s, kind, set, None)?;
+                                            }
+                                            Ok(())
+                                        })
+                                        .map_err(kerr)?;
+                                    let g_reset = be
+                                        .capture(|| {
+                                            for _ in 0..sets {
+                                                reset(&mut s)?;
+                                            }
+                                            Ok(())
+                                        })
+                                        .map_err(kerr)?;
+                                    let both =
+                                        be.time_graph(&g_both, 3, b.replays).map_err(kerr)?;
+                                    let only =
+                                        be.time_graph(&g_reset, 3, b.replays).map_err(kerr)?;
+                                    be.check_device_errors().map_err(kerr)?;
+                                    let us = (both - only) / sets as f64;
+                                    b.record(
+                                        op,
+                                        h,
+                                        n,
+                                        0,
+                                        l,
+                                        state,
+                                        layout,
+                                        sets,
+                                        us,
+                                        2.0 * sb + eb * l as f64,
+                                    )?;
+                                }
+                                be.set_ring_pipelined(None).map_err(kerr)?;
                             }
                         }
                     }

@@ -234,8 +234,6 @@ struct RingShape {
     max_new: usize,
     /// Whether the pool rounds stochastically (`kda_ring` stores with nearest rounding only).
     stochastic: bool,
-    /// Whether `kda_ring` was asked for (else fp32 pools run it only for one new token).
-    forced: bool,
     smem_optin: usize,
 }
 
@@ -259,8 +257,7 @@ const RING_THREADS: usize = 256;
 /// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
 const RING_MAX_TOKENS: usize = 16;
 
-/// The launch of `kda_ring`, or `None` where the call does not fit it (fp32 pools beyond decode
-/// unless asked for, stochastic rounding, tiles that are not whole 16-byte copies, token rows
+/// The launch of `kda_ring`, or `None` where the call does not fit it (stochastic rounding, tiles that are not whole 16-byte copies, token rows
 /// that are not whole 4-byte copies, too many tokens per item, too much shared memory): then
 /// `kda_step` runs. Mirrors `RingLayout` and the constants of `kernels/kda_ring.cu` (an item is eight
 /// warps of `kda_step`'s lane mapping).
@@ -268,13 +265,9 @@ fn ring_plan(s: &RingShape) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = (RING_THREADS / 32) * warp_columns(s.k);
     let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
-    // fp32 pools by default only for decode-shaped calls (one new token): measured 3-8% faster
-    // than kda_step there, 8-11% slower for spec_verify (docs/performance.md)
-    if s.ring_len == 0
-        || (s.state_size == 4 && !s.forced && s.max_new != 1)
-        || s.stochastic
-        || !tile_fits(s.k, s.v, s.state_size)
-        || mt > RING_MAX_TOKENS
+    // every pool dtype and operation: measured faster than kda_step for fp32 decode, spec_verify
+    // (2-14%) and replay (19-22%) too (docs/performance.md, eleventh session)
+    if s.ring_len == 0 || s.stochastic || !tile_fits(s.k, s.v, s.state_size) || mt > RING_MAX_TOKENS
     {
         return None;
     }
@@ -412,8 +405,7 @@ impl CudaBackend {
 
     /// Chooses the kernel of calls with a ring: `Some(true)` the pipelined kernel `kda_ring`
     /// wherever the call fits it (nearest rounding, whole 16-byte tile rows, whole 4-byte token
-    /// rows, at most 16 pending and new tokens per sequence), `None` (the default) the same but
-    /// for fp32 pools only with one new token per sequence (where it was measured faster),
+    /// rows, at most 16 pending and new tokens per sequence; `None`, the default, does the same),
     /// `Some(false)` the one-unit-per-CTA kernel `kda_step`. Both give the same bits.
     pub fn set_ring_pipelined(&self, on: Option<bool>) -> Result<()> {
         *self.ring_pipelined.lock() = on;
@@ -708,7 +700,6 @@ impl CudaBackend {
                 entry_bytes: g.ring_entry_elems() * input.size(),
                 max_new: (0..n).map(|i| plan.len_of(i)).max().unwrap_or(0),
                 stochastic: sr == 1,
-                forced: ring_choice == Some(true),
                 smem_optin: self.smem_optin,
             })
         } else {
@@ -1068,7 +1059,6 @@ mod tests {
             entry_bytes: 9240,
             max_new,
             stochastic: false,
-            forced: true,
             smem_optin: 227 * 1024,
         }
     }
@@ -1092,6 +1082,18 @@ mod tests {
     }
 
     #[test]
+    fn ring_plan_takes_every_pool_dtype_and_operation() {
+        for state_size in [4, 2] {
+            for (max_new, op) in [(4, "spec_verify"), (0, "replay"), (1, "decode")] {
+                assert!(
+                    ring_plan(&ring_shape(state_size, 8, max_new)).is_some(),
+                    "{state_size}-byte pool, {op}: kda_ring by default"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn ring_plan_refuses_what_the_pipelined_kernel_cannot_take() {
         assert_eq!(
             ring_plan(&ring_shape(2, 0, 1)),
@@ -1101,24 +1103,6 @@ mod tests {
         let mut s = ring_shape(2, 4, 1);
         s.stochastic = true;
         assert_eq!(ring_plan(&s), None, "stochastic rounding: kda_step");
-        let mut s = ring_shape(4, 8, 4);
-        s.forced = false;
-        assert_eq!(
-            ring_plan(&s),
-            None,
-            "fp32 spec_verify: kda_step unless asked for"
-        );
-        s.max_new = 0;
-        assert_eq!(
-            ring_plan(&s),
-            None,
-            "fp32 replay: kda_step unless asked for"
-        );
-        s.max_new = 1;
-        assert!(ring_plan(&s).is_some(), "fp32 decode: kda_ring by default");
-        s.state_size = 2;
-        s.max_new = 4;
-        assert!(ring_plan(&s).is_some(), "2-byte pools: kda_ring by default");
         assert_eq!(ring_plan(&ring_shape(2, 12, 5)), None, "17 tokens per item");
         let mut s = ring_shape(2, 4, 1);
         s.v = 20;
