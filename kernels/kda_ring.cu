@@ -157,11 +157,11 @@ __device__ __forceinline__ bool ring_work(const RingItem& it) { return it.nnew >
 
 // Issues the copies of one item's token rows and dt_bias into a stage as one cp.async group
 // (committed, empty for an item without work). Returns, loaded now and used when the item is
-// computed, the raw beta of token threadIdx.x (< ntok) and, in thread RT - 1, a_log.
+// computed, the raw beta of token threadIdx.x (< ntok; in the input type, unconverted) and, in thread RT - 1, a_log.
 __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& L, const KdaParams& p,
-                                           const RingItem& it, float& braw, float& alog) {
+                                           const RingItem& it, IT& braw, float& alog) {
     const kda_u32 ntok = it.pl.pend + it.nnew;
-    braw = 0.0f;
+    braw = KdaElem<IT>::from_f32(0.0f);
     alog = 0.0f;
     if (!ring_work(it)) {
         cp_async_commit();
@@ -221,7 +221,7 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
         const kda_u32 t = threadIdx.x;
         const IT* b = t < it.pl.pend ? ring + (size_t)t * entry + ring_off_beta(p, it.hv)
                                      : reinterpret_cast<const IT*>(p.beta) + (size_t)(it.bos + t - it.pl.pend) * p.hv + it.hv;
-        braw = kda_load(*b);
+        braw = *b; // converted where it is stored: a conversion here would wait for the load
     }
     if (threadIdx.x == RT - 1 && p.gate_mode != 0u) alog = reinterpret_cast<const float*>(p.a_log)[it.hv];
 }
@@ -375,7 +375,8 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     // cp.async groups, oldest first: this item's token rows, this item's tile, the next item's
     // token rows (issued at the top of an iteration), the next item's tile (issued once this
     // item's tile is in registers)
-    float braw_next, alog_next;
+    IT braw_next;
+    float alog_next;
     ring_issue(dsm + RTILE, L, p, s_items[0], braw_next, alog_next);
     ring_issue_tile(dsm, p, s_items[0]);
     kda_u32 issued = item + grid;
@@ -386,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         const int stage = i & 1;
         unsigned char* st = dsm + RTILE + stage * L.stage;
         // this item's raw betas and a_log (loaded when it was issued)
-        if ((int)threadIdx.x < MTC) braw_s[stage * MTC + threadIdx.x] = braw_next;
+        if ((int)threadIdx.x < MTC) braw_s[stage * MTC + threadIdx.x] = kda_load(braw_next);
         if (threadIdx.x == RT - 1) alog_s[stage] = alog_next;
         cp_async_wait<1>(); // this item's token rows (its tile may still be in flight)
         __syncthreads();
