@@ -433,20 +433,25 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         const int cwv = cmin(RCW, V - me.cb);
         const unsigned char* tokrow = st;
         if (nnew > 0 || store) {
-            // 1) activations of every token: one warp per token (key, decays, values of the
-            // item's columns, beta; the query of a new token)
+            // 1) activations, one warp per unit: units 0..ntok are the tokens (key, decays, values
+            // of the item's columns, beta), the next ones the queries of the new tokens (a
+            // warp of their own: the new token's warp finished last)
             const float a_exp = p.gate_mode ? expf(alog_s[stage]) : 0.0f;
             const float* bias = reinterpret_cast<const float*>(st + L.bias);
-            for (int t = warp; t < ntok; t += RT / 32) {
+            for (int u = warp; u < ntok + (int)nnew; u += RT / 32) {
+                if (u >= ntok) {
+                    const int f = u - ntok; // the query of new token pend + f
+                    act_row(reinterpret_cast<const IT*>(st + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true,
+                            p.scale, lane);
+                    for (int kk = K + lane; kk < KS; kk += 32) qa[f * KS + kk] = 0.0f;
+                    continue;
+                }
+                const int t = u;
                 const unsigned char* row = tokrow + t * L.tokb;
                 act_row(reinterpret_cast<const IT*>(row), ka + t * KS, p.l2norm != 0u, false, p.scale, lane);
-                if (t >= (int)pend)
-                    act_row(reinterpret_cast<const IT*>(st + L.qrow + (t - (int)pend) * RK), qa + (t - (int)pend) * KS,
-                            p.l2norm != 0u, true, p.scale, lane);
                 act_decay(reinterpret_cast<const IT*>(row + RK), bias, da + t * KS, p, a_exp, lane);
                 for (int kk = K + lane; kk < KS; kk += 32) {
                     ka[t * KS + kk] = 0.0f;
-                    if (t >= (int)pend) qa[(t - (int)pend) * KS + kk] = 0.0f;
                     da[t * KS + kk] = 1.0f;
                 }
                 const IT* rv = reinterpret_cast<const IT*>(row + 2 * RK);
