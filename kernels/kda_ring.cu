@@ -11,14 +11,15 @@
 // stages with cp.async while the current item computes; its state tile goes into the one tile
 // buffer as soon as the current tile is in registers, so the copy overlaps the token steps and
 // an fp32 head (64 KB) still leaves room for two CTAs per SM. One thread, the bookkeeper (lane 0
-// of the last warp, which activates a token only when an item has eight), looks the items up
+// of the last warp, which activates a unit only when an item has eight), looks the items up
 // ahead: the slot three items ahead, the ring record and the accepted count two ahead, the plan
 // one ahead of the item whose copies are issued next. It does its work (and the arrival, below)
-// right after the first barrier of an item, while its warp has no token to activate, so no copy
-// waits on a dependent load and the other warps do not wait for the bookkeeping (done by thread 0
-// after its token steps, it held every warp at the next barrier: ring decode was 4-11% slower).
-// Every token of an item is activated at once (one warp per token), then each warp steps its columns through the tokens with no barrier
-// in between. Stores round to nearest only (the stochastic store's registers would spill the
+// right after the first barrier of an item, while its warp usually has nothing to activate, so
+// no copy waits on a dependent load and the other warps do not wait for the bookkeeping (done by
+// thread 0 after its token steps, it held every warp at the next barrier: ring decode was 4-11%
+// slower). An item's activations run at once, one warp per unit (each token, then each new
+// token's query), then each warp steps its columns through the tokens with no barrier in
+// between. Stores round to nearest only (the stochastic store's registers would spill the
 // token loop); the host runs kda_step for stochastic-rounding pools.
 //
 // Ring data. Without a commit an item appends its own part of the new tokens' entries (rows
@@ -157,7 +158,8 @@ __device__ __forceinline__ bool ring_work(const RingItem& it) { return it.nnew >
 
 // Issues the copies of one item's token rows and dt_bias into a stage as one cp.async group
 // (committed, empty for an item without work). Returns, loaded now and used when the item is
-// computed, the raw beta of token threadIdx.x (< ntok; in the input type, unconverted) and, in thread RT - 1, a_log.
+// computed, the raw beta of token threadIdx.x (< ntok; in the input type, not converted) and,
+// in thread RT - 1, a_log.
 __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& L, const KdaParams& p,
                                            const RingItem& it, IT& braw, float& alog) {
     const kda_u32 ntok = it.pl.pend + it.nnew;

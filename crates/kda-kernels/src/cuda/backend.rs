@@ -257,10 +257,10 @@ const RING_THREADS: usize = 256;
 /// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
 const RING_MAX_TOKENS: usize = 16;
 
-/// The launch of `kda_ring`, or `None` where the call does not fit it (stochastic rounding, tiles that are not whole 16-byte copies, token rows
-/// that are not whole 4-byte copies, too many tokens per item, too much shared memory): then
-/// `kda_step` runs. Mirrors `RingLayout` and the constants of `kernels/kda_ring.cu` (an item is eight
-/// warps of `kda_step`'s lane mapping).
+/// The launch of `kda_ring`, or `None` where the call does not fit it (stochastic rounding,
+/// tiles that are not whole 16-byte copies, token rows that are not whole 4-byte copies, too many
+/// tokens per item, too much shared memory): then `kda_step` runs. Mirrors `RingLayout` and the
+/// constants of `kernels/kda_ring.cu` (an item is eight warps of `kda_step`'s lane mapping).
 fn ring_plan(s: &RingShape) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = (RING_THREADS / 32) * warp_columns(s.k);
