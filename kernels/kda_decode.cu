@@ -685,6 +685,7 @@ __device__ __forceinline__ void prefetch_prepass(const KdaParams& p, kda_u32 slo
 using namespace kda;
 
 extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p) {
+    KDA_DEPENDENT_LAUNCH();
     __shared__ __align__(16) Smem sm;
     __shared__ Plan s_plan;
 
@@ -1215,9 +1216,13 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
 #endif
 
 // Eager decode, the tile stored from registers.
-extern "C" __global__ void KDA_EAGER_BOUNDS kda_eager(const KdaParams p) { eager_run<false>(p); }
+extern "C" __global__ void KDA_EAGER_BOUNDS kda_eager(const KdaParams p) {
+    KDA_DEPENDENT_LAUNCH();
+    eager_run<false>(p);
+}
 
 // Eager decode, a 2-byte K-first tile stored through its stage (elsewhere the same as kda_eager).
 extern "C" __global__ void KDA_EAGER_BOUNDS kda_eager_stage(const KdaParams p) {
+    KDA_DEPENDENT_LAUNCH();
     eager_run<!VFIRST && sizeof(ST) == 2>(p);
 }

@@ -314,6 +314,7 @@ __device__ __forceinline__ void ring_settle(const RingArrival& prev, bool last, 
 } // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParams p) {
+    KDA_DEPENDENT_LAUNCH();
     extern __shared__ __align__(16) unsigned char dsm[];
     // The items of this CTA in flight: item j (the CTA's j-th) in s_items[j % 3], written by the
     // bookkeeper one iteration before its copies are issued.

@@ -146,6 +146,10 @@ impl CudaBackend {
     pub fn set_ring_pipelined(&self, _on: Option<bool>) -> Result<()> {
         match *self {}
     }
+    /// Chooses whether the kernels launch as programmatic dependent launches.
+    pub fn set_dependent_launch(&self, _on: Option<bool>) -> Result<()> {
+        match *self {}
+    }
     /// Fixes the pipeline stages of the pipelined eager kernel.
     pub fn set_eager_stages(&self, _stages: Option<u32>) -> Result<()> {
         match *self {}

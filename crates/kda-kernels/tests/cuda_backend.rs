@@ -548,12 +548,23 @@ fn ring_bytes(
     out
 }
 
+/// A backend choice that two twin layers run with: `Some(true)` for the first, `Some(false)`
+/// for the second, `None` (the default) restored at the end.
+type Choice = fn(&CudaBackend, Option<bool>) -> kda_kernels::Result<()>;
+
 /// Runs the same random sequence of decode steps, speculative verifies (random draft and
-/// accepted counts) and flushes on two layers with the same initial states, one through the
-/// pipelined ring kernel (`kda_ring`) and one through the one-unit-per-CTA kernel (`kda_step`);
-/// after every call asserts equal bits of the outputs and the states, equal ring records and
-/// equal ring bytes. Returns the number of calls that stored a state.
-fn check_ring_kernels_agree(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) -> usize {
+/// accepted counts) and flushes on two layers with the same initial states, one with `choice`
+/// on and one with it off (e.g. the pipelined ring kernel `kda_ring` against the
+/// one-unit-per-CTA kernel `kda_step`); after every call asserts equal bits of the outputs and
+/// the states, equal ring records and equal ring bytes. Returns the number of calls that stored
+/// a state.
+fn check_choice_agrees(
+    cu: &CudaBackend,
+    case: &Case,
+    steps: usize,
+    seed: u64,
+    choice: Choice,
+) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
     let (mut piped, mut blocked) = twin_layers(cu, case, case, &mut rng);
     let n = case.slots.len();
@@ -573,7 +584,7 @@ fn check_ring_kernels_agree(cu: &CudaBackend, case: &Case, steps: usize, seed: u
                 .map(|&d| rng.random_range(0..=d) as u32)
                 .collect();
             for (layer, on) in [(&mut piped, Some(true)), (&mut blocked, Some(false))] {
-                cu.set_ring_pipelined(on).expect("kernel choice");
+                choice(cu, on).expect("backend choice");
                 run_replay(
                     cu,
                     layer,
@@ -616,7 +627,7 @@ fn check_ring_kernels_agree(cu: &CudaBackend, case: &Case, steps: usize, seed: u
             };
             let mut outs = Vec::new();
             for (layer, on) in [(&mut piped, Some(true)), (&mut blocked, Some(false))] {
-                cu.set_ring_pipelined(on).expect("kernel choice");
+                choice(cu, on).expect("backend choice");
                 outs.push(
                     run_tokens(cu, layer, op, &bounds, &case.slots, &inputs, &case.opts)
                         .expect("ring call"),
@@ -643,7 +654,7 @@ fn check_ring_kernels_agree(cu: &CudaBackend, case: &Case, steps: usize, seed: u
         assert_eq!(piped.epoch(), blocked.epoch(), "step {step}: layer epochs");
         stores += usize::from(piped.epoch() != epoch);
     }
-    cu.set_ring_pipelined(None).expect("kernel choice");
+    choice(cu, None).expect("backend choice");
     stores
 }
 
@@ -664,11 +675,45 @@ fn cuda_pipelined_ring_kernel_equals_the_one_unit_per_cta_kernel_bit_for_bit() {
                 c.opts.gate = GateMode::LowerBound(-4.0);
                 c.opts.allow_neg_eigval = true;
             }
-            let stores = check_ring_kernels_agree(&cu, &c, 24, 71 + ring_len as u64);
+            let stores = check_choice_agrees(
+                &cu,
+                &c,
+                24,
+                71 + ring_len as u64,
+                CudaBackend::set_ring_pipelined,
+            );
             eprintln!(
                 "{state} {layout:?} H={h} HV={hv} K={k} V={v} {input} inputs ring {ring_len}: equal bits, {stores} calls stored"
             );
         }
+    }
+}
+
+#[test]
+fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation() {
+    // back-to-back calls on the same slots: each kernel reads what the one before it wrote, so
+    // a dependent launch that did not wait for its predecessor would show here
+    let Some(cu) = cuda() else { return };
+    // (eager decode, the default's dependent launch, runs in every other test)
+    for (state, ring_len) in [(Dtype::Fp16, 8), (Dtype::Fp32, 4), (Dtype::Bf16, 6)] {
+        let c = case(
+            2,
+            4,
+            128,
+            128,
+            state,
+            Dtype::Bf16,
+            StateLayout::KFirst,
+            ring_len,
+        );
+        let stores = check_choice_agrees(
+            &cu,
+            &c,
+            16,
+            81 + ring_len as u64,
+            CudaBackend::set_dependent_launch,
+        );
+        eprintln!("{state} ring {ring_len}: equal bits, {stores} calls stored");
     }
 }
 

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::memory::{CudaBuffer, CudaMemory};
@@ -70,6 +70,8 @@ pub struct CudaBackend {
     eager_stages: Mutex<Option<usize>>,
     /// Whether calls with a ring use the pipelined kernel `kda_ring` (`None`: wherever it fits).
     ring_pipelined: Mutex<Option<bool>>,
+    /// Whether kernels launch as programmatic dependent launches (`None`: decode only).
+    dependent_launch: Mutex<Option<bool>>,
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
     smem_optin: usize,
@@ -354,6 +356,7 @@ impl CudaBackend {
             eager_pipelined: Mutex::new(None),
             eager_stages: Mutex::new(None),
             ring_pipelined: Mutex::new(None),
+            dependent_launch: Mutex::new(None),
             num_sms,
             smem_optin,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
@@ -409,6 +412,17 @@ impl CudaBackend {
     /// `Some(false)` the one-unit-per-CTA kernel `kda_step`. Both give the same bits.
     pub fn set_ring_pipelined(&self, on: Option<bool>) -> Result<()> {
         *self.ring_pipelined.lock() = on;
+        Ok(())
+    }
+
+    /// Chooses whether the KDA kernels launch as programmatic dependent launches (sm_90 and
+    /// later): the kernel's CTAs may be scheduled while the previous kernel on the stream
+    /// retires, and wait for it before their first instruction that reads memory. `Some(true)`
+    /// every operation, `Some(false)` none, `None` (the default) decode only. On the H200 it made
+    /// decode at N = 1 7-8% faster, left N >= 64 within about 1%, and made spec_verify up to 3%
+    /// slower (docs/performance.md, eleventh session).
+    pub fn set_dependent_launch(&self, on: Option<bool>) -> Result<()> {
+        *self.dependent_launch.lock() = on;
         Ok(())
     }
 
@@ -808,18 +822,76 @@ impl CudaBackend {
             block_dim: (warps as u32 * 32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut b = s.launch_builder(&func);
-        b.arg(&params);
+        let dependent = dependent_launch(call.op, *self.dependent_launch.lock());
         // SAFETY: `params` matches the kernel's `struct KdaParams` (size checked at compile
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
         // launch bounds (<= 256 threads); the pipelined kernels' dynamic
         // shared memory was checked against the device's opt-in limit and their copies against
-        // the shape (`eager_plan`, `ring_plan`).
-        unsafe { b.launch(cfg) }.map_err(|e| device_err(&format!("{name} launch"), e))?;
+        // the shape (`eager_plan`, `ring_plan`); every KDA kernel begins with
+        // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs.
+        unsafe { launch_kda(s, &func, cfg, &params, dependent) }
+            .map_err(|e| device_err(&format!("{name} launch"), e))?;
         Ok(())
     }
+}
+
+/// Whether a call of `op` launches as a programmatic dependent launch, given the backend's
+/// choice (`CudaBackend::set_dependent_launch`; `None`: decode only, where it was measured
+/// faster).
+fn dependent_launch(op: Op, choice: Option<bool>) -> bool {
+    choice.unwrap_or(op == Op::Decode)
+}
+
+/// Launches `func(params)` on `stream`; with `dependent`, as a programmatic dependent launch:
+/// its CTAs may be scheduled while the previous kernel on the stream retires, and wait for it
+/// at their first instruction (`KDA_DEPENDENT_LAUNCH` in `kernels/kda_compat.cuh`).
+///
+/// # Safety
+/// As for any kernel launch: `params` must match the kernel's parameter and every pointer in
+/// it must stay valid until the kernel has run; with `dependent`, the kernel must begin with
+/// `KDA_DEPENDENT_LAUNCH()`.
+unsafe fn launch_kda(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &KdaParams,
+    dependent: bool,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    stream.context().bind_to_thread()?;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            programmaticStreamSerializationAllowed: 1,
+        },
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: u32::from(dependent),
+    };
+    let mut args = [params as *const KdaParams as *mut std::ffi::c_void];
+    // SAFETY: the config, its one attribute and the argument array live across the call; the
+    // caller vouches for the kernel and its parameter.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }
 
 /// One call's arguments, before validation.
@@ -1079,6 +1151,19 @@ mod tests {
         // spec T = 4 with ring 10 (either layout: the plan does not depend on it)
         let p = ring_plan(&ring_shape(2, 10, 4)).expect("spec T = 4");
         assert_eq!((p.mt, p.mq), (14, 4));
+    }
+
+    #[test]
+    fn dependent_launch_is_for_decode_unless_chosen() {
+        for op in [Op::Decode, Op::SpecVerify, Op::Replay] {
+            assert_eq!(
+                dependent_launch(op, None),
+                op == Op::Decode,
+                "{op:?} by default"
+            );
+            assert!(dependent_launch(op, Some(true)), "{op:?} when asked for");
+            assert!(!dependent_launch(op, Some(false)), "{op:?} when turned off");
+        }
     }
 
     #[test]
