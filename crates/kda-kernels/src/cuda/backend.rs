@@ -72,6 +72,9 @@ pub struct CudaBackend {
     ring_pipelined: Mutex<Option<bool>>,
     /// Whether kernels launch as programmatic dependent launches (`None`: decode only).
     dependent_launch: Mutex<Option<bool>>,
+    /// Whether the device has programmatic dependent launch (sm_90 and later; the kernels'
+    /// wait is compiled only there).
+    has_dependent_launch: bool,
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
     smem_optin: usize,
@@ -357,6 +360,7 @@ impl CudaBackend {
             eager_stages: Mutex::new(None),
             ring_pipelined: Mutex::new(None),
             dependent_launch: Mutex::new(None),
+            has_dependent_launch: major >= 9,
             num_sms,
             smem_optin,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
@@ -418,9 +422,9 @@ impl CudaBackend {
     /// Chooses whether the KDA kernels launch as programmatic dependent launches (sm_90 and
     /// later): the kernel's CTAs may be scheduled while the previous kernel on the stream
     /// retires, and wait for it before their first instruction that reads memory. `Some(true)`
-    /// every operation, `Some(false)` none, `None` (the default) decode only. On the H200 it made
-    /// decode at N = 1 7-8% faster, left N >= 64 within about 1%, and made spec_verify up to 3%
-    /// slower (docs/performance.md, eleventh session).
+    /// every operation, `Some(false)` none, `None` (the default) decode only; never on devices
+    /// before sm_90. On the H200 it made decode at N = 1 7-9% faster, left N >= 64 within about
+    /// 1%, and made spec_verify up to 3% slower (docs/performance.md, eleventh session).
     pub fn set_dependent_launch(&self, on: Option<bool>) -> Result<()> {
         *self.dependent_launch.lock() = on;
         Ok(())
@@ -822,7 +826,11 @@ impl CudaBackend {
             block_dim: (warps as u32 * 32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let dependent = dependent_launch(call.op, *self.dependent_launch.lock());
+        let dependent = dependent_launch(
+            call.op,
+            *self.dependent_launch.lock(),
+            self.has_dependent_launch,
+        );
         // SAFETY: `params` matches the kernel's `struct KdaParams` (size checked at compile
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
@@ -839,9 +847,9 @@ impl CudaBackend {
 
 /// Whether a call of `op` launches as a programmatic dependent launch, given the backend's
 /// choice (`CudaBackend::set_dependent_launch`; `None`: decode only, where it was measured
-/// faster).
-fn dependent_launch(op: Op, choice: Option<bool>) -> bool {
-    choice.unwrap_or(op == Op::Decode)
+/// faster) and whether the device has it (`capable`: sm_90 and later).
+fn dependent_launch(op: Op, choice: Option<bool>, capable: bool) -> bool {
+    capable && choice.unwrap_or(op == Op::Decode)
 }
 
 /// Launches `func(params)` on `stream`; with `dependent`, as a programmatic dependent launch:
@@ -1154,15 +1162,27 @@ mod tests {
     }
 
     #[test]
-    fn dependent_launch_is_for_decode_unless_chosen() {
+    fn dependent_launch_is_for_decode_on_sm90_unless_chosen() {
         for op in [Op::Decode, Op::SpecVerify, Op::Replay] {
             assert_eq!(
-                dependent_launch(op, None),
+                dependent_launch(op, None, true),
                 op == Op::Decode,
                 "{op:?} by default"
             );
-            assert!(dependent_launch(op, Some(true)), "{op:?} when asked for");
-            assert!(!dependent_launch(op, Some(false)), "{op:?} when turned off");
+            assert!(
+                dependent_launch(op, Some(true), true),
+                "{op:?} when asked for"
+            );
+            assert!(
+                !dependent_launch(op, Some(false), true),
+                "{op:?} when turned off"
+            );
+            for choice in [None, Some(true)] {
+                assert!(
+                    !dependent_launch(op, choice, false),
+                    "{op:?}: never before sm_90 (the kernels' wait is compiled out there)"
+                );
+            }
         }
     }
 
