@@ -63,6 +63,10 @@ pub struct Args {
     /// the --warps (comma-separated, 2 or 3; tuning).
     #[arg(long)]
     pub stages: Option<String>,
+    /// Which operations launch as programmatic dependent launches: decode (the backend's
+    /// default), all or none (A/B in one binary).
+    #[arg(long, default_value = "decode")]
+    pub dependent_launch: String,
 }
 
 fn usage(msg: impl Into<String>) -> CliError {
@@ -542,6 +546,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
         )?,
         None => vec![],
     };
+    let dependent_launch = match args.dependent_launch.as_str() {
+        "decode" => None,
+        "all" => Some(true),
+        "none" => Some(false),
+        other => {
+            return Err(usage(format!(
+                "--dependent-launch: '{other}' is not accepted; expected decode, all or none"
+            )))
+        }
+    };
     if args.replays == 0 {
         return Err(usage("--replays: 0 is not accepted; expected at least 1"));
     }
@@ -552,6 +566,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
     }
     let be = CudaBackend::new().map_err(kerr)?;
     println!("device: {}", be.device_name());
+    be.set_dependent_launch(dependent_launch).map_err(kerr)?;
+    println!("dependent launches: {}", args.dependent_launch);
     // every kernel module of the run, compiled in parallel before anything is timed
     let geometries: Vec<PoolGeometry> = states
         .iter()

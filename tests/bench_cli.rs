@@ -1,0 +1,46 @@
+//! `kda-pool bench` driven through the built binary: bad arguments are exit code 2 with one
+//! line on stderr that names the argument, before any device is opened (so this runs without a
+//! GPU).
+
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kda-pool");
+
+fn kda_pool_bench(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("bench")
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("the kda-pool binary runs")
+}
+
+/// Exit code 2, exactly one stderr line that names `needle`, nothing on stdout, no panic.
+fn assert_usage_error(args: &[&str], needle: &str) {
+    let o = kda_pool_bench(args);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: one line expected: {err:?}"
+    );
+    assert!(err.contains(needle), "{args:?}: {needle:?} not in {err:?}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(o.stdout.is_empty(), "{args:?}");
+}
+
+#[test]
+fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
+    assert_usage_error(&["--backend", "cpu"], "--backend: 'cpu'");
+    assert_usage_error(&["--op", "prefill"], "--op: 'prefill'");
+    assert_usage_error(
+        &["--dependent-launch", "some"],
+        "--dependent-launch: 'some'",
+    );
+    assert_usage_error(&["--replays", "0"], "--replays");
+    assert_usage_error(&["--ring", "0"], "--ring");
+    assert_usage_error(&["--warps", "9"], "1..=8");
+    assert_usage_error(&["--stages", "4"], "2 or 3");
+}
