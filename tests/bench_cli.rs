@@ -2,6 +2,8 @@
 //! line on stderr that names the argument, before any device is opened (so this runs without a
 //! GPU).
 
+mod cli_kit;
+
 use std::process::{Command, Output};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kda-pool");
@@ -16,19 +18,9 @@ fn kda_pool_bench(args: &[&str]) -> Output {
         .expect("the kda-pool binary runs")
 }
 
-/// Exit code 2, exactly one stderr line that names `needle`, nothing on stdout, no panic.
+/// `bench` with `args` is a usage error naming `needle` (`cli_kit`).
 fn assert_usage_error(args: &[&str], needle: &str) {
-    let o = kda_pool_bench(args);
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: one line expected: {err:?}"
-    );
-    assert!(err.contains(needle), "{args:?}: {needle:?} not in {err:?}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(o.stdout.is_empty(), "{args:?}");
+    cli_kit::assert_usage_error(&kda_pool_bench(args), needle);
 }
 
 #[test]

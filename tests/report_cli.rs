@@ -2,10 +2,14 @@
 //! dtype decision from flags and environment, and every bad-input path (exit code 2, one line
 //! on stderr, no panic).
 
+mod cli_kit;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use serde_json::Value;
+
+use cli_kit::assert_usage_error;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kda-pool");
 
@@ -53,24 +57,6 @@ fn scratch(name: &str, text: &str) -> String {
     let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
     std::fs::write(&path, text).unwrap();
     path.display().to_string()
-}
-
-/// Exit code 2, exactly one stderr line that names `needle`, nothing on stdout, no panic.
-fn assert_usage_error(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "one line expected: {err:?}"
-    );
-    assert!(err.starts_with("error"), "{err:?}");
-    assert!(err.contains(needle), "{needle:?} not in {err:?}");
-    assert!(
-        !err.contains("panicked") && !err.contains("backtrace"),
-        "{err:?}"
-    );
-    assert!(o.stdout.is_empty(), "stdout: {}", stdout(o));
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! and no slot leaked; an injected NaN fails the run naming the request; bad input is exit
 //! code 2 with one line on stderr.
 
+mod cli_kit;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -217,19 +219,9 @@ fn an_injected_nan_fails_the_run_naming_the_request() {
     );
 }
 
-/// Exit code 2, exactly one stderr line that names `needle`, nothing on stdout, no panic.
+/// `simulate` with `args` and `env` is a usage error naming `needle` (`cli_kit`).
 fn assert_usage_error(args: &[&str], env: &[(&str, &str)], needle: &str) {
-    let o = kda_pool(args, env);
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: one line expected: {err:?}"
-    );
-    assert!(err.contains(needle), "{args:?}: {needle:?} not in {err:?}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(o.stdout.is_empty(), "{args:?}");
+    cli_kit::assert_usage_error(&kda_pool(args, env), needle);
 }
 
 #[test]
