@@ -722,6 +722,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 }
                                 let sets = s.batches.len();
                                 let (sb, eb) = (s.state_bytes(), s.entry_bytes());
+                                // the resets alone, subtracted from each kernel's graph
+                                let g_reset = be
+                                    .capture(|| {
+                                        for _ in 0..sets {
+                                            reset(&mut s)?;
+                                        }
+                                        Ok(())
+                                    })
+                                    .map_err(kerr)?;
+                                let only = be.time_graph(&g_reset, 3, b.replays).map_err(kerr)?;
                                 // the default kernel, then each ring kernel (kda_ring, kda_step),
                                 // same run; a graph keeps the kernel chosen at its capture
                                 for (op, on) in [
@@ -739,18 +749,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                             Ok(())
                                         })
                                         .map_err(kerr)?;
-                                    let g_reset = be
-                                        .capture(|| {
-                                            for _ in 0..sets {
-                                                reset(&mut s)?;
-                                            }
-                                            Ok(())
-                                        })
-                                        .map_err(kerr)?;
                                     let both =
                                         be.time_graph(&g_both, 3, b.replays).map_err(kerr)?;
-                                    let only =
-                                        be.time_graph(&g_reset, 3, b.replays).map_err(kerr)?;
                                     be.check_device_errors().map_err(kerr)?;
                                     let us = (both - only) / sets as f64;
                                     b.record(

@@ -566,7 +566,7 @@ fn check_choice_agrees(
     choice: Choice,
 ) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
-    let (mut piped, mut blocked) = twin_layers(cu, case, case, &mut rng);
+    let (mut chosen, mut other) = twin_layers(cu, case, case, &mut rng);
     let n = case.slots.len();
     let dims = case.dims();
     let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);
@@ -576,14 +576,14 @@ fn check_choice_agrees(
     for step in 0..steps {
         let any_drafts = drafts.iter().any(|&d| d > 0);
         let roll = rng.random_range(0..10);
-        let epoch = piped.epoch();
+        let epoch = chosen.epoch();
         if any_drafts && roll < 3 {
             // resolve the drafts: accept some, flush every slot
             let acc: Vec<u32> = drafts
                 .iter()
                 .map(|&d| rng.random_range(0..=d) as u32)
                 .collect();
-            for (layer, on) in [(&mut piped, Some(true)), (&mut blocked, Some(false))] {
+            for (layer, on) in [(&mut chosen, Some(true)), (&mut other, Some(false))] {
                 choice(cu, on).expect("backend choice");
                 run_replay(
                     cu,
@@ -626,7 +626,7 @@ fn check_choice_agrees(
                 TokenOp::Decode
             };
             let mut outs = Vec::new();
-            for (layer, on) in [(&mut piped, Some(true)), (&mut blocked, Some(false))] {
+            for (layer, on) in [(&mut chosen, Some(true)), (&mut other, Some(false))] {
                 choice(cu, on).expect("backend choice");
                 outs.push(
                     run_tokens(cu, layer, op, &bounds, &case.slots, &inputs, &case.opts)
@@ -641,18 +641,18 @@ fn check_choice_agrees(
         assert_same_ring_records(
             step,
             &case.slots,
-            |s| piped.meta(cu.memory(), s).unwrap(),
-            |s| blocked.meta(cu.memory(), s).unwrap(),
+            |s| chosen.meta(cu.memory(), s).unwrap(),
+            |s| other.meta(cu.memory(), s).unwrap(),
         );
         assert!(
-            ring_bytes(cu, &piped, &case.slots) == ring_bytes(cu, &blocked, &case.slots),
+            ring_bytes(cu, &chosen, &case.slots) == ring_bytes(cu, &other, &case.slots),
             "step {step}: the ring entries differ"
         );
-        let a = piped.read_states(cu.memory(), &case.slots).expect("read");
-        let b = blocked.read_states(cu.memory(), &case.slots).expect("read");
+        let a = chosen.read_states(cu.memory(), &case.slots).expect("read");
+        let b = other.read_states(cu.memory(), &case.slots).expect("read");
         assert_bits_eq(&a, &b, &format!("step {step} states"));
-        assert_eq!(piped.epoch(), blocked.epoch(), "step {step}: layer epochs");
-        stores += usize::from(piped.epoch() != epoch);
+        assert_eq!(chosen.epoch(), other.epoch(), "step {step}: layer epochs");
+        stores += usize::from(chosen.epoch() != epoch);
     }
     choice(cu, None).expect("backend choice");
     stores

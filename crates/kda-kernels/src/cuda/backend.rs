@@ -380,13 +380,7 @@ impl CudaBackend {
     pub fn warm_up(&self, geometries: &[PoolGeometry]) -> Result<()> {
         let keys: Vec<StepKey> = geometries
             .iter()
-            .map(|g| StepKey {
-                state: g.state_dtype,
-                input: g.ring_dtype,
-                layout: g.layout,
-                k: g.k,
-                v: g.v,
-            })
+            .map(|g| StepKey::of(g, g.ring_dtype))
             .collect();
         warm_up(&self.ctx, &keys)
     }
@@ -663,13 +657,7 @@ impl CudaBackend {
             Some(i) => i.q.dtype,
             None => g.ring_dtype,
         };
-        let key = StepKey {
-            state: g.state_dtype,
-            input,
-            layout: g.layout,
-            k: g.k,
-            v: g.v,
-        };
+        let key = StepKey::of(g, input);
         let func = step_kernel(&self.ctx, key)?;
 
         let s = self.stream();

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use state_pool::{Dtype, StateLayout};
+use state_pool::{Dtype, PoolGeometry, StateLayout};
 
 use crate::error::{KernelError, Result};
 
@@ -31,6 +31,19 @@ pub(crate) struct StepKey {
     pub layout: StateLayout,
     pub k: usize,
     pub v: usize,
+}
+
+impl StepKey {
+    /// The module of calls on a layer of geometry `g` with inputs of dtype `input`.
+    pub fn of(g: &PoolGeometry, input: Dtype) -> Self {
+        StepKey {
+            state: g.state_dtype,
+            input,
+            layout: g.layout,
+            k: g.k,
+            v: g.v,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
