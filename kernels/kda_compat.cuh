@@ -27,6 +27,7 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) { return __float2
 #define KDA_PREFETCH_L2(ptr) ((void)(ptr))
 // A store that L2 may evict first (the state written back by the ring: not read again soon).
 #define KDA_STORE_STREAM(ptr, val) (*(ptr) = (val))
+#define KDA_GRID_DEPENDENCY 0
 #define KDA_DEPENDENT_LAUNCH() ((void)0)
 #else
 struct __align__(2) kda_half {
@@ -74,11 +75,15 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) {
 #define KDA_STORE_STREAM(ptr, val) __stcs((ptr), (val))
 // Programmatic dependent launch (sm_90): wait until the grid this one depends on has finished
 // and its writes are visible, then let the next grid's CTAs be scheduled as this one's retire.
-// The first statement of every kernel the backend launches with the PDL attribute.
+// Every kernel the backend launches with the PDL attribute runs it before any access that
+// could see the other grid's writes (only L2 prefetches and host-written slots come before).
+// KDA_GRID_DEPENDENCY: whether there is a wait, i.e. whether work before it can overlap.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KDA_GRID_DEPENDENCY 1
 #define KDA_DEPENDENT_LAUNCH() \
     asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #else
+#define KDA_GRID_DEPENDENCY 0
 #define KDA_DEPENDENT_LAUNCH() ((void)0)
 #endif
 #endif

@@ -68,7 +68,7 @@ struct KdaParams {
     kda_u32 vblocks;                 // CTAs per unit along V (1 with a ring)
     kda_u32 stages;                  // kda_eager: pipeline stages (2 or 3)
     kda_u32 ring_mt;                 // kda_ring: token rows per stage (ring_len + most new tokens)
-    kda_u32 pad;                     // unused (no padding in the struct)
+    kda_u32 early;                   // 1: a dependent launch; prefetch the first tiles before the wait
     kda_u32 ring_gran;               // kda_ring: bytes per cp.async of token rows (4, 8 or 16)
     kda_u32 ring_mq;                 // kda_ring: most new tokens of a sequence
     KdaDiv div_seq;                  // by units * vblocks (CTA units or items per sequence)
@@ -617,13 +617,38 @@ __device__ __forceinline__ void ring_finish(const KdaParams& p, const Plan& pl, 
     }
 }
 
-// Prefetches into L2 the lines of [ptr, ptr + bytes), the lanes of a warp striding lines.
-__device__ __forceinline__ void prefetch_range(const void* ptr, size_t bytes, int lane) {
+// Prefetches into L2 the lines of [ptr, ptr + bytes), thread idx of n striding lines (the
+// lanes of a warp: idx = lane, n = 32).
+__device__ __forceinline__ void prefetch_range(const void* ptr, size_t bytes, int idx, int n = 32) {
     if (bytes == 0) return;
     const kda_u64 first = reinterpret_cast<kda_u64>(ptr) & ~(kda_u64)127;
     const kda_u64 last = (reinterpret_cast<kda_u64>(ptr) + bytes - 1) & ~(kda_u64)127;
-    for (kda_u64 a = first + (kda_u64)lane * 128; a <= last; a += 32 * 128)
+#pragma unroll 1
+    for (kda_u64 a = first + (kda_u64)idx * 128; a <= last; a += (kda_u64)n * 128)
         KDA_PREFETCH_L2(reinterpret_cast<const void*>(a));
+}
+
+// Prefetches into L2 the state tile of columns [cb, cb + cwv) of a head, every thread of the CTA
+// taking part: one range for V-first tiles and whole K-first rows, else a row per thread.
+__device__ __forceinline__ void prefetch_tile(const ST* head, int cb, int cwv) {
+    if (VFIRST || (cb == 0 && cwv == V)) {
+        prefetch_range(head + (VFIRST ? (size_t)cb * K : 0), (size_t)cwv * K * sizeof(ST), (int)threadIdx.x,
+                       (int)blockDim.x);
+        return;
+    }
+#pragma unroll 1
+    for (int r = (int)threadIdx.x; r < K; r += (int)blockDim.x)
+        prefetch_range(head + (size_t)r * V + cb, (size_t)cwv * sizeof(ST), 0, 1);
+}
+
+// A slot index read before griddepcontrol.wait, from L2 (ld.global.cg): the slots buffer is
+// written by the host before the call, never by the grid this one may overlap.
+__device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) {
+#if KDA_GRID_DEPENDENCY
+    return __ldcg(reinterpret_cast<const kda_u32*>(p.slots) + seq);
+#else
+    return reinterpret_cast<const kda_u32*>(p.slots)[seq];
+#endif
 }
 
 // A hint to L2 for what the first prepass of a CTA reads: the unit's rows (key of its q/k head,
@@ -1215,14 +1240,45 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
 #define KDA_EAGER_BOUNDS __launch_bounds__(256, 2)
 #endif
 
+// A dependent launch (p.early), before its wait: the state tiles of the items the prologue
+// issues go into L2 while the grid before this one finishes, so their copies after the wait
+// find them there. Safe before the wait: the slots are the host's (early_slot), and an L2
+// prefetch is only a hint (L2 is where the other grid's writes land: no stale copy is read).
+// (Handing these slots on to eager_run made 2-byte decode at N >= 64 up to 3% slower on the
+// H200: code generation; it loads them again.)
+__device__ __forceinline__ void eager_prefetch_first(const KdaParams& p) {
+#if KDA_GRID_DEPENDENCY
+    if (p.early == 0u) return;
+    const int cw = (int)(blockDim.x >> 5) * WC;
+    const kda_u32 total = p.n_seqs * p.hv * p.vblocks;
+    const int items = p.stages == 3u ? 2 : 1;
+    kda_u32 slot[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const kda_u32 item = blockIdx.x + (kda_u32)j * gridDim.x;
+        slot[j] = j < items && item < total ? early_slot(p, eager_seq(p, item)) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const kda_u32 item = blockIdx.x + (kda_u32)j * gridDim.x;
+        if (j >= items || item >= total) break;
+        const EagerItem it = eager_item(p, item, slot[j]);
+        prefetch_tile(reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V), it.cb,
+                      cmin(cw, V - it.cb));
+    }
+#endif
+}
+
 // Eager decode, the tile stored from registers.
 extern "C" __global__ void KDA_EAGER_BOUNDS kda_eager(const KdaParams p) {
+    eager_prefetch_first(p);
     KDA_DEPENDENT_LAUNCH();
     eager_run<false>(p);
 }
 
 // Eager decode, a 2-byte K-first tile stored through its stage (elsewhere the same as kda_eager).
 extern "C" __global__ void KDA_EAGER_BOUNDS kda_eager_stage(const KdaParams p) {
+    eager_prefetch_first(p);
     KDA_DEPENDENT_LAUNCH();
     eager_run<!VFIRST && sizeof(ST) == 2>(p);
 }

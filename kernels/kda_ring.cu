@@ -311,9 +311,43 @@ __device__ __forceinline__ void ring_settle(const RingArrival& prev, bool last, 
     }
 }
 
+// A dependent launch (p.early), before its wait: the first item's state tile and its head's
+// rows of every ring entry (the pending count is not known before the wait) go into L2 while
+// the grid before this one finishes (see eager_prefetch_first: only hints and host-written
+// slots before the wait).
+__device__ __forceinline__ void ring_prefetch_first(const KdaParams& p) {
+#if KDA_GRID_DEPENDENCY
+    if (p.early == 0u || blockIdx.x >= p.n_seqs * p.hv * p.vblocks) return;
+    RingItem it;
+    ring_coords(p, blockIdx.x, it);
+    const kda_u32 slot = early_slot(p, it.n);
+    const int cwv = cmin(RCW, V - it.cb);
+    prefetch_tile(reinterpret_cast<const ST*>(p.ssm) + ((size_t)slot * p.hv + it.hv) * ((size_t)K * V), it.cb, cwv);
+    // one row (k, g, v of the item's columns) of one entry per thread
+    const size_t entry = ring_entry_elems(p);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    const kda_u32 t = threadIdx.x / 3, part = threadIdx.x - 3 * t;
+    if (t < p.ring_len) {
+        const IT* e = ring + (size_t)t * entry;
+        const size_t h = kda_div((kda_u32)it.hv, p.div_grp);
+        if (part == 0) prefetch_range(e + h * K, K * sizeof(IT), 0, 1);
+        else if (part == 1) prefetch_range(e + ring_off_g(p, it.hv), K * sizeof(IT), 0, 1);
+        else prefetch_range(e + ring_off_v(p, it.hv) + it.cb, (size_t)cwv * sizeof(IT), 0, 1);
+    }
+#endif
+}
+
 } // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParams p) {
+    kda::ring_prefetch_first(p);
+    // The bookkeeper's first four slots, loaded before the wait (host-written, early_slot).
+    kda_u32 sl[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const kda_u32 it = blockIdx.x + (kda_u32)j * gridDim.x;
+        sl[j] = threadIdx.x == kda::RT - 32 && it < p.n_seqs * p.hv * p.vblocks ? kda::early_slot(p, kda::ring_seq(p, it)) : 0u;
+    }
     KDA_DEPENDENT_LAUNCH();
     extern __shared__ __align__(16) unsigned char dsm[];
     // The items of this CTA in flight: item j (the CTA's j-th) in s_items[j % 3], written by the
@@ -351,16 +385,10 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     // item's arrival (its atomic's result).
     RingRec rec = {};
     kda_u32 la_slot = 0, prev_old = 0;
-    // Prologue (bookkeeper): the slots of the first four items, the records of the first three
-    // (every load issued before the first plan, whose error atomic would order them after it),
-    // the plans of the first two.
+    // Prologue (bookkeeper): with the slots of the first four items (loaded before the wait),
+    // the records of the first three (every load issued before the first plan, whose error
+    // atomic would order them after it), the plans of the first two.
     if (threadIdx.x == BK) {
-        kda_u32 sl[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const kda_u32 it = item + (kda_u32)j * grid;
-            sl[j] = it < total ? slots[ring_seq(p, it)] : 0u;
-        }
         RingRec r[3] = {};
 #pragma unroll
         for (int j = 0; j < 3; ++j) {

@@ -415,10 +415,11 @@ impl CudaBackend {
 
     /// Chooses whether the KDA kernels launch as programmatic dependent launches (sm_90 and
     /// later): the kernel's CTAs may be scheduled while the previous kernel on the stream
-    /// retires, and wait for it before their first instruction that reads memory. `Some(true)`
-    /// every operation, `Some(false)` none, `None` (the default) decode only; never on devices
-    /// before sm_90. On the H200 it made decode at N = 1 7-9% faster, left N >= 64 within about
-    /// 1%, and made spec_verify up to 3% slower (docs/performance.md, eleventh session).
+    /// retires; until they have waited for it they only read the batch's slots and prefetch
+    /// their first state tiles into L2. `Some(true)` every operation, `Some(false)` none, `None`
+    /// (the default) decode only; never on devices before sm_90. On the H200 it made decode at
+    /// N = 1 11-17% faster and N >= 64 1-4% faster, and spec_verify (T = 4) and replay up to
+    /// 3.6% slower (docs/performance.md, eleventh and twelfth sessions).
     pub fn set_dependent_launch(&self, on: Option<bool>) -> Result<()> {
         *self.dependent_launch.lock() = on;
         Ok(())
@@ -765,6 +766,11 @@ impl CudaBackend {
             Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),
             None => (opt_ptr(call.a_log), opt_ptr(call.dt_bias)),
         };
+        let dependent = dependent_launch(
+            call.op,
+            *self.dependent_launch.lock(),
+            self.has_dependent_launch,
+        );
         let params = KdaParams {
             q: inputs.map_or(0, |i| ptr(i.q.buf)),
             k: inputs.map_or(0, |i| ptr(i.k.buf)),
@@ -802,7 +808,7 @@ impl CudaBackend {
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
-            pad: 0,
+            early: u32::from(dependent),
             ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
             ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
             div_seq: FastDiv::new((units * vblocks) as u32),
@@ -814,19 +820,16 @@ impl CudaBackend {
             block_dim: (warps as u32 * 32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let dependent = dependent_launch(
-            call.op,
-            *self.dependent_launch.lock(),
-            self.has_dependent_launch,
-        );
         // SAFETY: `params` matches the kernel's `struct KdaParams` (size checked at compile
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
         // launch bounds (<= 256 threads); the pipelined kernels' dynamic
         // shared memory was checked against the device's opt-in limit and their copies against
-        // the shape (`eager_plan`, `ring_plan`); every KDA kernel begins with
-        // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs.
+        // the shape (`eager_plan`, `ring_plan`); every KDA kernel runs
+        // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs, before any access
+        // that could see the previous grid's writes (before it: the host-written slots and L2
+        // prefetches, with `early`).
         unsafe { launch_kda(s, &func, cfg, &params, dependent) }
             .map_err(|e| device_err(&format!("{name} launch"), e))?;
         Ok(())
@@ -842,12 +845,13 @@ fn dependent_launch(op: Op, choice: Option<bool>, capable: bool) -> bool {
 
 /// Launches `func(params)` on `stream`; with `dependent`, as a programmatic dependent launch:
 /// its CTAs may be scheduled while the previous kernel on the stream retires, and wait for it
-/// at their first instruction (`KDA_DEPENDENT_LAUNCH` in `kernels/kda_compat.cuh`).
+/// (`KDA_DEPENDENT_LAUNCH` in `kernels/kda_compat.cuh`) before any access that could see its
+/// writes.
 ///
 /// # Safety
 /// As for any kernel launch: `params` must match the kernel's parameter and every pointer in
-/// it must stay valid until the kernel has run; with `dependent`, the kernel must begin with
-/// `KDA_DEPENDENT_LAUNCH()`.
+/// it must stay valid until the kernel has run; with `dependent`, the kernel must run
+/// `KDA_DEPENDENT_LAUNCH()` before any access that could see the previous kernel's writes.
 unsafe fn launch_kda(
     stream: &CudaStream,
     func: &CudaFunction,

@@ -59,8 +59,9 @@ pub(crate) struct KdaParams {
     pub stages: u32,
     /// `kda_ring`: token rows per stage (ring length + most new tokens of a sequence).
     pub ring_mt: u32,
-    /// Unused: keeps the struct free of padding.
-    pub pad: u32,
+    /// 1 for a programmatic dependent launch: the eager and ring kernels prefetch their first
+    /// items' state tiles into L2 before `griddepcontrol.wait` (0 otherwise).
+    pub early: u32,
     /// `kda_ring`: bytes per asynchronous copy of a token row (4, 8 or 16).
     pub ring_gran: u32,
     /// `kda_ring`: most new tokens of one sequence.
