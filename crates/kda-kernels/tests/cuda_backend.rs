@@ -17,9 +17,9 @@ use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
     assert_bits_eq, assert_refused, bad_input_case, batch_plan, check_rejects_bad_input,
     check_ring_decode_matches_eager, check_ring_rounds_once_per_commit,
-    check_spec_verify_matches_eager, initial_states, layer_with_states, rel_frobenius_f32,
-    run_replay, run_tokens, twin_layers, upload, upload_bytes, Case, DeviceInputs, HostInputs,
-    TestLayer, TokenOp,
+    check_spec_verify_matches_eager, download, initial_states, layer_with_states,
+    rel_frobenius_f32, run_replay, run_tokens, twin_layers, upload, upload_bytes, Case,
+    DeviceInputs, HostInputs, TestLayer, TokenOp,
 };
 use kda_kernels::{Backend, CpuBackend, GateMode, IndexView, KernelError, TensorViewMut};
 use rand::rngs::StdRng;
@@ -691,8 +691,8 @@ fn cuda_pipelined_ring_kernel_equals_the_one_unit_per_cta_kernel_bit_for_bit() {
 
 #[test]
 fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation() {
-    // back-to-back calls on the same slots: each kernel reads what the one before it wrote, so
-    // a dependent launch that did not wait for its predecessor would show here
+    // every operation, each call reading what the one before it wrote (host copies run between
+    // the calls; the kernels right after one another are in the back-to-back test below)
     let Some(cu) = cuda() else { return };
     // (eager decode, the default's dependent launch, runs in every other test)
     for (state, ring_len) in [(Dtype::Fp16, 8), (Dtype::Fp32, 4), (Dtype::Bf16, 6)] {
@@ -714,6 +714,102 @@ fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation()
             CudaBackend::set_dependent_launch,
         );
         eprintln!("{state} ring {ring_len}: equal bits, {stores} calls stored");
+    }
+}
+
+/// Enqueues `steps` decode calls of `case` on the same slots back to back, every input and
+/// output buffer made beforehand so that nothing runs on the stream between the kernels, and
+/// asserts the bits of the same calls run one at a time (host copies between them) on a twin
+/// layer: outputs, states, ring records and ring entries.
+fn check_back_to_back_decodes(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (mut queued, mut single) = twin_layers(cu, case, case, &mut rng);
+    let mem = cu.memory();
+    let n = case.slots.len();
+    let dims = case.dims();
+    let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);
+    let bounds: Vec<usize> = (0..=n).collect();
+    let inputs: Vec<HostInputs> = (0..steps)
+        .map(|_| {
+            HostInputs::random(&mut rng, dims, n, &case.opts, case.input_dtype)
+                .with_gate_params(&params.a_log, &params.dt_bias)
+        })
+        .collect();
+    let want: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|inp| {
+            run_tokens(
+                cu,
+                &mut single,
+                TokenOp::Decode,
+                &bounds,
+                &case.slots,
+                inp,
+                &case.opts,
+            )
+            .expect("decode")
+        })
+        .collect();
+    let batch = cu
+        .prepare(batch_plan(&bounds, &case.slots).expect("plan"))
+        .expect("prepare");
+    let dev: Vec<_> = inputs
+        .iter()
+        .map(|inp| DeviceInputs::upload(mem, inp, &case.opts).expect("upload"))
+        .collect();
+    let (dtype, len) = (case.input_dtype, n * case.hv * case.v);
+    let mut outs: Vec<_> = (0..steps)
+        .map(|_| upload(mem, &vec![f32::NAN; len], dtype).expect("poisoned output"))
+        .collect();
+    for (d, o) in dev.iter().zip(outs.iter_mut()) {
+        let mut out = TensorViewMut { buf: o, dtype, len };
+        cu.enqueue_decode(&batch, &d.view(), &case.opts, &mut queued.view(), &mut out)
+            .expect("enqueue");
+    }
+    cu.check_device_errors().expect("no device error");
+    for (step, (o, w)) in outs.iter().zip(&want).enumerate() {
+        let got = download(mem, o, dtype, len).expect("download");
+        assert_bits_eq(&got, w, &format!("step {step} outputs"));
+    }
+    assert_same_ring_records(
+        steps,
+        &case.slots,
+        |s| queued.meta(mem, s).unwrap(),
+        |s| single.meta(mem, s).unwrap(),
+    );
+    assert!(
+        ring_bytes(cu, &queued, &case.slots) == ring_bytes(cu, &single, &case.slots),
+        "the ring entries differ"
+    );
+    let a = queued.read_states(mem, &case.slots).expect("read");
+    let b = single.read_states(mem, &case.slots).expect("read");
+    assert_bits_eq(&a, &b, "states");
+}
+
+#[test]
+fn cuda_back_to_back_decodes_of_the_same_slots_give_the_bits_of_one_call_at_a_time() {
+    // decode launches as a dependent launch (sm_90): its CTAs may start while the decode
+    // before it, which writes the same states and rings, still runs; before their wait they
+    // only read the slots and prefetch into L2, so the bits must not change
+    let Some(cu) = cuda() else { return };
+    for (state, ring_len) in [
+        (Dtype::Fp32, 0),
+        (Dtype::Fp16, 0),
+        (Dtype::Bf16, 8),
+        (Dtype::Fp32, 5),
+    ] {
+        let c = case(
+            2,
+            4,
+            128,
+            128,
+            state,
+            Dtype::Bf16,
+            StateLayout::KFirst,
+            ring_len,
+        );
+        check_back_to_back_decodes(&cu, &c, 12, 91 + ring_len as u64);
+        eprintln!("{state} ring {ring_len}: 12 back-to-back decodes, equal bits");
     }
 }
 
