@@ -373,23 +373,28 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
         check_pipelined_eager_matches_blocked(&cu, &c, 3, 60 + u64::from(warps));
     }
     cu.set_eager_warps(None).expect("warps");
-    // narrower CTAs (more column blocks per head, more CTAs per SM), 2 and 3 stages
-    for (warps, stages, state) in [
-        (1, 2, Dtype::Fp32),
-        (2, 3, Dtype::Bf16),
-        (4, 2, Dtype::Fp16),
-        (4, 3, Dtype::Fp32),
-        (8, 3, Dtype::Fp32),
+    // narrower CTAs (more column blocks per head, more CTAs per SM), 2 and 3 stages; V-first
+    // pools with 3 stages (the default of big fp32 and 2-byte V-first calls)
+    let kf = StateLayout::KFirst;
+    for (warps, stages, state, layout) in [
+        (1, 2, Dtype::Fp32, kf),
+        (2, 3, Dtype::Bf16, kf),
+        (4, 2, Dtype::Fp16, kf),
+        (4, 3, Dtype::Fp32, kf),
+        (8, 3, Dtype::Fp32, kf),
         // whole heads of a 2-byte pool (the default for big calls)
-        (8, 3, Dtype::Fp16),
+        (8, 3, Dtype::Fp16, kf),
         // 3 warps: rows of 6 chunks (no swizzle), a partial last column block
-        (3, 2, Dtype::Bf16),
+        (3, 2, Dtype::Bf16, kf),
+        (4, 3, Dtype::Fp32, StateLayout::VFirst),
+        (4, 3, Dtype::Fp16, StateLayout::VFirst),
     ] {
         cu.set_eager_warps(Some(warps)).expect("warps");
         cu.set_eager_stages(Some(stages)).expect("stages");
         let c = Case {
             state_dtype: state,
             input_dtype: Dtype::Bf16,
+            layout,
             ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
         };
         check_pipelined_eager_matches_blocked(

@@ -132,6 +132,15 @@ fn tile_fits(k: usize, v: usize, state_size: usize) -> bool {
 /// Pipeline stages of the pipelined eager kernel unless set.
 const DEFAULT_EAGER_STAGES: usize = 2;
 
+/// Items per CTA from which fp32 and 2-byte V-first pools take three stages, although the
+/// third stage costs them a CTA per SM (H200 sweep, docs/performance.md, twelfth session:
+/// 1-4% faster from about 4 items per 3-stage CTA; from 1 to 3, quantised rounds make it up to
+/// 14% slower or 11% faster).
+const THREE_STAGES_FROM_ITEMS_PER_CTA: usize = 4;
+
+/// Shared memory the driver reserves per CTA (sm_80 and later), bytes.
+const SMEM_RESERVED_PER_CTA: usize = 1024;
+
 /// What decides whether and how the pipelined eager kernel runs.
 struct EagerShape {
     k: usize,
@@ -208,12 +217,20 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let static_smem = (3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 16 + 3 * 32;
     // 2-byte K-first: 3 stages, except with fewer 4-warp items than SMs (N = 1), where no CTA
     // has a second item to pipeline: 2 stages measured 0.04-0.05 us faster at H = 12 and equal
-    // at H = 32 (docs/performance.md, ninth session)
-    let stages = e.stages.unwrap_or(if two_byte_kf && !few {
-        3
+    // at H = 32 (docs/performance.md, ninth session). The others: 3 stages from
+    // THREE_STAGES_FROM_ITEMS_PER_CTA items per CTA of a 3-stage grid (its CTAs per SM bound
+    // by shared memory, the opt-in limit standing for the SM's).
+    let items = e.heads * wph.div_ceil(warps);
+    let deep_ctas =
+        e.num_sms * (e.smem_optin / (3 * stage + static_smem + SMEM_RESERVED_PER_CTA)).max(1);
+    let deep = if two_byte_kf {
+        !few
     } else {
-        DEFAULT_EAGER_STAGES
-    });
+        items >= THREE_STAGES_FROM_ITEMS_PER_CTA * deep_ctas
+    };
+    let stages = e
+        .stages
+        .unwrap_or(if deep { 3 } else { DEFAULT_EAGER_STAGES });
     [stages, 2]
         .into_iter()
         .find(|&st| st * stage + static_smem <= e.smem_optin)
@@ -1079,15 +1096,23 @@ mod tests {
     fn eager_plan_defaults_follow_the_measured_sweep() {
         // fp32, N = 1 at H = 12: 2 warps (48 CTAs) rather than 4 (24 CTAs)
         assert_eq!(plan(&shape(4, 12, false)), (2, 4, 2));
-        // fp32, many heads: 4 warps, 2 stages
-        assert_eq!(plan(&shape(4, 768, false)), (4, 2, 2));
+        // fp32: 4 warps; 3 stages (2 CTAs per SM, 264 CTAs) from 4 items per CTA (1056 items),
+        // 2 below
+        assert_eq!(plan(&shape(4, 768, false)), (4, 2, 3));
+        assert_eq!(plan(&shape(4, 528, false)), (4, 2, 3));
+        assert_eq!(plan(&shape(4, 527, false)), (4, 2, 2));
+        assert_eq!(plan(&shape(4, 384, true)), (4, 2, 2));
+        assert_eq!(plan(&shape(4, 2048, true)), (4, 2, 3));
         // 2-byte K-first: 3 stages; whole heads (8 warps) from 2048 heads
         assert_eq!(plan(&shape(2, 768, false)), (4, 2, 3));
         // 2-byte K-first with fewer 4-warp CTAs than SMs (N = 1): 2 stages
         assert_eq!(plan(&shape(2, 12, false)), (4, 2, 2));
         assert_eq!(plan(&shape(2, 2048, false)), (8, 1, 3));
-        // 2-byte V-first: 4 warps, 2 stages whatever the size
-        assert_eq!(plan(&shape(2, 3072, true)), (4, 2, 2));
+        // 2-byte V-first: 4 warps; 3 stages (4 CTAs per SM, 528 CTAs) from 2112 items
+        assert_eq!(plan(&shape(2, 768, true)), (4, 2, 2));
+        assert_eq!(plan(&shape(2, 1056, true)), (4, 2, 3));
+        assert_eq!(plan(&shape(2, 1055, true)), (4, 2, 2));
+        assert_eq!(plan(&shape(2, 3072, true)), (4, 2, 3));
     }
 
     #[test]
