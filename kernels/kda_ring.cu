@@ -346,7 +346,8 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const kda_u32 it = blockIdx.x + (kda_u32)j * gridDim.x;
-        sl[j] = threadIdx.x == kda::RT - 32 && it < p.n_seqs * p.hv * p.vblocks ? kda::early_slot(p, kda::ring_seq(p, it)) : 0u;
+        const bool mine = threadIdx.x == kda::RT - 32 && it < p.n_seqs * p.hv * p.vblocks;
+        sl[j] = mine ? kda::early_slot(p, kda::ring_seq(p, it)) : 0u;
     }
     KDA_DEPENDENT_LAUNCH();
     extern __shared__ __align__(16) unsigned char dsm[];
