@@ -694,6 +694,21 @@ fn cuda_pipelined_ring_kernel_equals_the_one_unit_per_cta_kernel_bit_for_bit() {
     }
 }
 
+/// Two q/k heads, four value heads, K = V = 128, bf16 inputs, K-first: the dependent-launch
+/// tests' shape.
+fn gva_case(state: Dtype, ring_len: usize) -> Case {
+    case(
+        2,
+        4,
+        128,
+        128,
+        state,
+        Dtype::Bf16,
+        StateLayout::KFirst,
+        ring_len,
+    )
+}
+
 #[test]
 fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation() {
     // every operation, each call reading what the one before it wrote (host copies run between
@@ -701,16 +716,7 @@ fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation()
     let Some(cu) = cuda() else { return };
     // (eager decode, the default's dependent launch, runs in every other test)
     for (state, ring_len) in [(Dtype::Fp16, 8), (Dtype::Fp32, 4), (Dtype::Bf16, 6)] {
-        let c = case(
-            2,
-            4,
-            128,
-            128,
-            state,
-            Dtype::Bf16,
-            StateLayout::KFirst,
-            ring_len,
-        );
+        let c = gva_case(state, ring_len);
         let stores = check_choice_agrees(
             &cu,
             &c,
@@ -804,16 +810,7 @@ fn cuda_back_to_back_decodes_of_the_same_slots_give_the_bits_of_one_call_at_a_ti
         (Dtype::Bf16, 8),
         (Dtype::Fp32, 5),
     ] {
-        let c = case(
-            2,
-            4,
-            128,
-            128,
-            state,
-            Dtype::Bf16,
-            StateLayout::KFirst,
-            ring_len,
-        );
+        let c = gva_case(state, ring_len);
         check_back_to_back_decodes(&cu, &c, 12, 91 + ring_len as u64);
         eprintln!("{state} ring {ring_len}: 12 back-to-back decodes, equal bits");
     }
