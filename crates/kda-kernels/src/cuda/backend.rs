@@ -435,7 +435,7 @@ impl CudaBackend {
     /// retires; until they have waited for it they only read the batch's slots and prefetch
     /// their first state tiles into L2. `Some(true)` every operation, `Some(false)` none, `None`
     /// (the default) decode only; never on devices before sm_90. On the H200 it made decode at
-    /// N = 1 11-17% faster and N >= 64 1-4% faster, and spec_verify (T = 4) and replay up to
+    /// N = 1 11-16% faster and N >= 64 up to 4% faster, and spec_verify (T = 4) and replay up to
     /// 3.6% slower (docs/performance.md, eleventh and twelfth sessions).
     pub fn set_dependent_launch(&self, on: Option<bool>) -> Result<()> {
         *self.dependent_launch.lock() = on;
