@@ -463,6 +463,11 @@ __device__ __forceinline__ size_t ring_off_beta(const KdaParams& p, size_t hv) {
 }
 __device__ __forceinline__ size_t ring_entry_elems(const KdaParams& p) { return ring_off_beta(p, p.hv); }
 
+// The state of value head hv of a slot: K x V elements of ST in the pool's layout.
+__device__ __forceinline__ ST* state_head(const KdaParams& p, kda_u32 slot, size_t hv) {
+    return reinterpret_cast<ST*>(p.ssm) + ((size_t)slot * p.hv + hv) * ((size_t)K * V);
+}
+
 // Activates the tokens [t0, t0 + tc) of the combined sequence (pending ring entries, then the
 // new tokens) into shared memory: one warp per token.
 __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan& pl, kda_u32 slot,
@@ -736,7 +741,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
     // less. Both are needed unless the sequence has no work at all.
     float s[TK][TV];
     {
-        const ST* head0 = reinterpret_cast<const ST*>(p.ssm) + ((size_t)slot * p.hv + (size_t)unit * hpc) * ((size_t)K * V);
+        const ST* head0 = state_head(p, slot, (size_t)unit * hpc);
         load_tile(head0, lk, (int)vb * cc + warp * WC + lv * TV, s);
         prefetch_prepass(p, slot, unit, bos, nnew);
     }
@@ -757,7 +762,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
             const int hv = (int)unit * hpc + j;
             const int h = hv / group;
             const float a_exp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
-            ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)slot * p.hv + hv) * ((size_t)K * V);
+            ST* head = state_head(p, slot, hv);
             const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
             for (int chunk = (int)vb; chunk < nchunks; chunk += (int)p.vblocks) {
                 const int cbeg = chunk * cc;
@@ -1010,7 +1015,7 @@ __device__ __forceinline__ void eager_issue(unsigned char* st, const EagerStage&
     if (p.gate_mode != 0u && threadIdx.x == 32 % blockDim.x)
         cp_async4(st + L.scal + 4, reinterpret_cast<const float*>(p.a_log) + it.hv);
     cp_async_commit();
-    const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
+    const ST* head = state_head(p, it.slot, it.hv);
     tile_issue(st + L.tile, head, it.cb, cw, cwv);
 }
 
@@ -1207,7 +1212,7 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
         token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
         if (lk == 0 && col0 < V)
             store_out(reinterpret_cast<IT*>(p.out) + ((size_t)me.tok * p.hv + me.hv) * V + col0, o, col0);
-        ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)me.slot * p.hv + me.hv) * ((size_t)K * V);
+        ST* head = state_head(p, me.slot, me.hv);
         const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
         if constexpr (VIA_STAGE) {
             ST* t = reinterpret_cast<ST*>(st + L.tile);
@@ -1263,8 +1268,7 @@ __device__ __forceinline__ void eager_prefetch_first(const KdaParams& p) {
         const kda_u32 item = blockIdx.x + (kda_u32)j * gridDim.x;
         if (j >= items || item >= total) break;
         const EagerItem it = eager_item(p, item, slot[j]);
-        prefetch_tile(reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V), it.cb,
-                      cmin(cw, V - it.cb));
+        prefetch_tile(state_head(p, it.slot, it.hv), it.cb, cmin(cw, V - it.cb));
     }
 #endif
 }

@@ -232,7 +232,7 @@ __device__ __forceinline__ void ring_issue(unsigned char* st, const RingLayout& 
 // (committed, empty for an item without work; K-first swizzled like kda_eager's, V-first plain).
 __device__ __forceinline__ void ring_issue_tile(unsigned char* tile, const KdaParams& p, const RingItem& it) {
     if (ring_work(it)) {
-        const ST* head = reinterpret_cast<const ST*>(p.ssm) + ((size_t)it.slot * p.hv + it.hv) * ((size_t)K * V);
+        const ST* head = state_head(p, it.slot, it.hv);
         tile_issue(tile, head, it.cb, RCW, cmin(RCW, V - it.cb));
     }
     cp_async_commit();
@@ -322,7 +322,7 @@ __device__ __forceinline__ void ring_prefetch_first(const KdaParams& p) {
     ring_coords(p, blockIdx.x, it);
     const kda_u32 slot = early_slot(p, it.n);
     const int cwv = cmin(RCW, V - it.cb);
-    prefetch_tile(reinterpret_cast<const ST*>(p.ssm) + ((size_t)slot * p.hv + it.hv) * ((size_t)K * V), it.cb, cwv);
+    prefetch_tile(state_head(p, slot, it.hv), it.cb, cwv);
     // one row (k, g, v of the item's columns) of one entry per thread
     const size_t entry = ring_entry_elems(p);
     const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
@@ -505,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
                 cp_async_commit();
             }
             const int col0 = me.cb + col0l;
-            ST* head = reinterpret_cast<ST*>(p.ssm) + ((size_t)me.slot * p.hv + me.hv) * ((size_t)K * V);
+            ST* head = state_head(p, me.slot, me.hv);
             const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
             for (int t = 0; t < ntok; ++t) {
                 const bool fresh = t >= (int)pend;
