@@ -553,6 +553,31 @@ fn ring_bytes(
     out
 }
 
+/// Asserts that twin layers agree on `slots` after `step`: ring records, ring entries and the
+/// bits of the states.
+fn assert_twins_agree(
+    cu: &CudaBackend,
+    step: usize,
+    slots: &[u32],
+    a: &TestLayer<kda_kernels::cuda::CudaBuffer>,
+    b: &TestLayer<kda_kernels::cuda::CudaBuffer>,
+) {
+    let mem = cu.memory();
+    assert_same_ring_records(
+        step,
+        slots,
+        |s| a.meta(mem, s).unwrap(),
+        |s| b.meta(mem, s).unwrap(),
+    );
+    assert!(
+        ring_bytes(cu, a, slots) == ring_bytes(cu, b, slots),
+        "step {step}: the ring entries differ"
+    );
+    let sa = a.read_states(mem, slots).expect("read");
+    let sb = b.read_states(mem, slots).expect("read");
+    assert_bits_eq(&sa, &sb, &format!("step {step} states"));
+}
+
 /// A backend choice that two twin layers run with: `Some(true)` for the first, `Some(false)`
 /// for the second, `None` (the default) restored at the end.
 type Choice = fn(&CudaBackend, Option<bool>) -> kda_kernels::Result<()>;
@@ -643,19 +668,7 @@ fn check_choice_agrees(
                 drafts = lens;
             }
         }
-        assert_same_ring_records(
-            step,
-            &case.slots,
-            |s| chosen.meta(cu.memory(), s).unwrap(),
-            |s| other.meta(cu.memory(), s).unwrap(),
-        );
-        assert!(
-            ring_bytes(cu, &chosen, &case.slots) == ring_bytes(cu, &other, &case.slots),
-            "step {step}: the ring entries differ"
-        );
-        let a = chosen.read_states(cu.memory(), &case.slots).expect("read");
-        let b = other.read_states(cu.memory(), &case.slots).expect("read");
-        assert_bits_eq(&a, &b, &format!("step {step} states"));
+        assert_twins_agree(cu, step, &case.slots, &chosen, &other);
         assert_eq!(chosen.epoch(), other.epoch(), "step {step}: layer epochs");
         stores += usize::from(chosen.epoch() != epoch);
     }
@@ -782,19 +795,7 @@ fn check_back_to_back_decodes(cu: &CudaBackend, case: &Case, steps: usize, seed:
         let got = download(mem, o, dtype, len).expect("download");
         assert_bits_eq(&got, w, &format!("step {step} outputs"));
     }
-    assert_same_ring_records(
-        steps,
-        &case.slots,
-        |s| queued.meta(mem, s).unwrap(),
-        |s| single.meta(mem, s).unwrap(),
-    );
-    assert!(
-        ring_bytes(cu, &queued, &case.slots) == ring_bytes(cu, &single, &case.slots),
-        "the ring entries differ"
-    );
-    let a = queued.read_states(mem, &case.slots).expect("read");
-    let b = single.read_states(mem, &case.slots).expect("read");
-    assert_bits_eq(&a, &b, "states");
+    assert_twins_agree(cu, steps, &case.slots, &queued, &single);
 }
 
 #[test]
