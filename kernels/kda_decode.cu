@@ -393,19 +393,21 @@ struct Plan {
 __device__ __forceinline__ float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// One warp activates a key (`scaled` false) or a query (`scaled` true: times `scale`) row of K
-// elements at src into dst: l2-normalised when asked. Shared by both kernels, so the eager
-// kernel and the ring kernel produce the same bits.
-__device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool scaled, float scale,
-                                        int lane) {
-    float x[KL];
-    float ss = 0.0f;
+// The K elements of a key or query row at src that lane `lane` activates (act_row's loads).
+__device__ __forceinline__ void act_load(const IT* src, int lane, float (&x)[KL]) {
 #pragma unroll
     for (int i = 0; i < KL; ++i) {
         const int kk = lane + 32 * i;
         x[i] = kk < K ? kda_load(src[kk]) : 0.0f;
-        ss += x[i] * x[i];
     }
+}
+
+// act_row's arithmetic on the loaded row x: l2-normalised when asked, times `scale` when
+// `scaled`, into dst.
+__device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, bool scaled, float scale, int lane) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KL; ++i) ss += x[i] * x[i];
     if (l2) {
         const float nrm = sqrtf(warp_sum(ss) + 1e-6f);
 #pragma unroll
@@ -418,20 +420,35 @@ __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool
     }
 }
 
-// The decay exp(g) of element kk of a row of raw gates (bias: f32 [K], unused when the gate
-// is already activated).
-__device__ __forceinline__ float decay_of(const IT* src, const float* bias, int kk, const KdaParams& p,
-                                          float a_exp) {
-    const float raw = kda_load(src[kk]);
+// One warp activates a key (`scaled` false) or a query (`scaled` true: times `scale`) row of K
+// elements at src into dst: l2-normalised when asked. Shared by every kernel, so the eager
+// kernels and the ring kernel produce the same bits.
+__device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool scaled, float scale,
+                                        int lane) {
+    float x[KL];
+    act_load(src, lane, x);
+    act_finish(x, dst, l2, scaled, scale, lane);
+}
+
+// The decay exp(g) of a raw gate; *bias (its dt_bias) is read only when the gate is not
+// already activated.
+__device__ __forceinline__ float decay_at(float raw, const float* bias, const KdaParams& p, float a_exp) {
     float lg;
     if (p.gate_mode == 1u) {
-        lg = -a_exp * softplus(raw + bias[kk]);
+        lg = -a_exp * softplus(raw + *bias);
     } else if (p.gate_mode == 2u) {
-        lg = p.lower_bound * sigmoid(a_exp * (raw + bias[kk]));
+        lg = p.lower_bound * sigmoid(a_exp * (raw + *bias));
     } else {
         lg = raw;
     }
     return expf(lg);
+}
+
+// The decay exp(g) of element kk of a row of raw gates (bias: f32 [K], unused when the gate
+// is already activated).
+__device__ __forceinline__ float decay_of(const IT* src, const float* bias, int kk, const KdaParams& p,
+                                          float a_exp) {
+    return decay_at(kda_load(src[kk]), bias + kk, p, a_exp);
 }
 
 // One warp computes the decay exp(g) of a row of K raw gates (bias: f32 [K], unused when the
@@ -1285,4 +1302,128 @@ extern "C" __global__ void KDA_EAGER_BOUNDS kda_eager_stage(const KdaParams p) {
     eager_prefetch_first(p);
     KDA_DEPENDENT_LAUNCH();
     eager_run<!VFIRST && sizeof(ST) == 2>(p);
+}
+
+// Registers of kda_eager_tile: at most 128, so four CTAs of 4 warps (or two of 8) share an SM.
+#define KDA_EAGER_TILE_BOUNDS __launch_bounds__(256, 2)
+
+// Decays per thread of the gate threads in kda_eager_tile's early path (at least 64 of them).
+constexpr int DKE = (K + 63) / 64;
+// Whether a key or query row's loads (KL per lane) and a gate thread's raw gates and biases
+// (2 DKE) fit the same registers, which kda_eager_tile's early path needs.
+constexpr bool EARLY_FITS = 2 * DKE == KL;
+// Values per gate thread in the early path: at most 2, as a CTA's columns (warps x WC) are at
+// most twice its gate threads (32 warps - 64) from 4 warps where WC <= 32.
+constexpr int VPT = 2;
+static_assert(!EARLY_FITS || WC <= 32, "kda_eager_tile's early path: more than VPT values per gate thread");
+
+// Eager decode, one item per CTA (item = blockIdx.x, the grid covers the items): the state
+// tile goes straight from global memory into registers, with no pipeline and no stage in
+// shared memory; many CTAs per SM keep the loads in flight instead. The token's inputs are
+// loaded first: they do not depend on the slot, so their loads overlap the slot's, and the
+// activations run while the tile's loads are in flight (with 4 warps or more: warp 0 the key,
+// warp 1 the query, the other warps' threads the gates, values and beta, each role's loads in
+// the same registers; with fewer warps they are loaded after the tile, split as in eager_run).
+// The same functions as eager_run and kda_step, so the same bits.
+extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile(const KdaParams p) {
+    __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
+    __shared__ float abeta;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int lk = lane / LV, lv = lane % LV;
+    const int cw = nwarps * WC;
+    const kda_u32 item = blockIdx.x;
+#if KDA_GRID_DEPENDENCY
+    if (p.early != 0u) {
+        const EagerItem e = eager_item(p, item, early_slot(p, eager_seq(p, item)));
+        prefetch_tile(state_head(p, e.slot, e.hv), e.cb, cmin(cw, V - e.cb));
+    }
+#endif
+    KDA_DEPENDENT_LAUNCH();
+    if (item == 0 && threadIdx.x == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
+    const EagerItem it = eager_item(p, item, 0u); // its coordinates; the slot is loaded below
+    const int cwv = cmin(cw, V - it.cb);
+    const size_t tok = it.tok, hv = (size_t)it.hv;
+    const size_t h = kda_div((kda_u32)it.hv, p.div_grp);
+    const IT* kp = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
+    const IT* qp = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
+    const IT* gp = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K;
+    const IT* vp = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V + it.cb;
+    const float* bias = reinterpret_cast<const float*>(p.dt_bias) + hv * K;
+    const IT* bp = reinterpret_cast<const IT*>(p.beta) + tok * p.hv + hv;
+    const bool l2 = p.l2norm != 0u;
+
+    const bool early = EARLY_FITS && nwarps >= 4;
+    const int tid = (int)threadIdx.x - 64, dn = (int)blockDim.x - 64; // the gate threads
+    float x[KL];                 // warp 0: key, warp 1: query, gate threads: raw gates, biases
+    float vr[VPT], braw = 0.0f, alog = 0.0f;
+    if (early) {
+        if (warp == 0) {
+            act_load(kp, lane, x);
+        } else if (warp == 1) {
+            act_load(qp, lane, x);
+        } else {
+#pragma unroll
+            for (int j = 0; j < DKE; ++j) {
+                const int kk = tid + j * dn;
+                x[j] = kk < K ? kda_load(gp[kk]) : 0.0f;
+                x[DKE + j] = kk < K && p.gate_mode != 0u ? bias[kk] : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < VPT; ++j) {
+                const int c = tid + j * dn;
+                vr[j] = c < cwv ? kda_load(vp[c]) : 0.0f;
+            }
+            if (tid == 0) braw = kda_load(*bp);
+            if (p.gate_mode != 0u) alog = reinterpret_cast<const float*>(p.a_log)[hv];
+        }
+    }
+
+    const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
+    ST* head = state_head(p, slot, hv);
+    const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
+    float s[TK][TV];
+    load_tile(head, lk, col0l < cwv ? col0 : V, s);
+
+    if (early) {
+        if (warp == 0) {
+            act_finish(x, ak, l2, false, p.scale, lane);
+        } else if (warp == 1) {
+            act_finish(x, aq, l2, true, p.scale, lane);
+        } else {
+            const float a_exp = p.gate_mode ? expf(alog) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < DKE; ++j) {
+                const int kk = tid + j * dn;
+                if (kk < K) ad[kk] = decay_at(x[j], &x[DKE + j], p, a_exp);
+            }
+#pragma unroll
+            for (int j = 0; j < VPT; ++j) {
+                const int c = tid + j * dn;
+                if (c < cwv) av[c] = vr[j];
+            }
+            if (tid == 0) abeta = act_beta(braw, p);
+        }
+    } else {
+        if (warp == 0) act_row(kp, ak, l2, false, p.scale, lane);
+        if (warp == (nwarps > 1 ? 1 : 0)) act_row(qp, aq, l2, true, p.scale, lane);
+        const int d0 = nwarps > 2 ? 64 : 0, ln = (int)blockDim.x - d0, t = (int)threadIdx.x - d0;
+        if (t >= 0) {
+            const float a_exp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+            for (int kk = t; kk < K; kk += ln) ad[kk] = decay_of(gp, bias, kk, p, a_exp);
+            for (int c = t; c < cwv; c += ln) av[c] = kda_load(vp[c]);
+            if (t == 0) abeta = act_beta(kda_load(*bp), p);
+        }
+    }
+    __syncthreads();
+    float o[TV];
+    token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
+    if (col0l >= cwv) return;
+    if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
+    const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+    if (p.sr) {
+        const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+        store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
+    } else {
+        store_tile<false>(head, lk, col0, s, 0u, elem0);
+    }
 }

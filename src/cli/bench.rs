@@ -20,7 +20,9 @@ use std::collections::HashMap;
 use std::io::Write;
 
 use kda_kernels::cuda::{CudaBackend, CudaBatch, CudaBuffer};
-use kda_kernels::{Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs};
+use kda_kernels::{
+    Backend, BatchPlan, BetaMode, EagerKernel, GateMode, IndexView, KdaOptions, StepInputs,
+};
 use kda_kernels::{TensorView, TensorViewMut};
 use state_pool::{DeviceMemory, Dtype, LayerPlanes, PoolGeometry, Rounding, StateLayout};
 
@@ -627,11 +629,17 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 };
                                 let us = b.time(&mut s, kind, None)?;
                                 row(&mut b, "decode", us)?;
-                                // the one-item-per-CTA kernel, same run (before/after)
-                                be.set_eager_pipelined(Some(false)).map_err(kerr)?;
-                                let us = b.time(&mut s, kind, None)?;
-                                be.set_eager_pipelined(None).map_err(kerr)?;
-                                row(&mut b, "decode-blocked", us)?;
+                                // each eager kernel, same run (before/after)
+                                for (op, k) in [
+                                    ("decode-piped", EagerKernel::Pipelined),
+                                    ("decode-tile", EagerKernel::Tile),
+                                    ("decode-blocked", EagerKernel::Step),
+                                ] {
+                                    be.set_eager_kernel(Some(k)).map_err(kerr)?;
+                                    let us = b.time(&mut s, kind, None)?;
+                                    row(&mut b, op, us)?;
+                                }
+                                be.set_eager_kernel(None).map_err(kerr)?;
                                 for &w in &warps {
                                     be.set_eager_warps(Some(w)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;

@@ -7,6 +7,7 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry};
 use crate::api::{
     Backend, BatchPlan, IndexView, KdaOptions, StepInputs, TensorView, TensorViewMut,
 };
+use crate::choice::EagerKernel;
 use crate::error::{KernelError, Result};
 
 /// Stand-in for the CUDA backend (uninhabited: [`CudaBackend::new`] always fails).
@@ -138,8 +139,8 @@ impl CudaBackend {
     pub fn set_eager_warps(&self, _warps: Option<u32>) -> Result<()> {
         match *self {}
     }
-    /// Chooses the eager-decode kernel (pipelined or one item per CTA).
-    pub fn set_eager_pipelined(&self, _on: Option<bool>) -> Result<()> {
+    /// Chooses the eager-decode kernel (`None`: per call, from its shape).
+    pub fn set_eager_kernel(&self, _kernel: Option<EagerKernel>) -> Result<()> {
         match *self {}
     }
     /// Chooses the kernel of calls with a ring (pipelined `kda_ring` or one unit per CTA).

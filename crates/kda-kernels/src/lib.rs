@@ -6,6 +6,7 @@
 //! State is read and written through the pool's element type; all arithmetic is f32.
 
 pub mod api;
+pub mod choice;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -22,5 +23,6 @@ pub use api::{
     Backend, BatchPlan, BetaMode, CuSeqlens, GateMode, IndexView, KdaOptions, StepInputs,
     TensorView, TensorViewMut,
 };
+pub use choice::EagerKernel;
 pub use cpu::CpuBackend;
 pub use error::{KernelError, Result};

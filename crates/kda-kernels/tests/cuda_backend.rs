@@ -21,7 +21,9 @@ use kda_kernels::testing::{
     rel_frobenius_f32, run_replay, run_tokens, twin_layers, upload, upload_bytes, Case,
     DeviceInputs, HostInputs, TestLayer, TokenOp,
 };
-use kda_kernels::{Backend, CpuBackend, GateMode, IndexView, KernelError, TensorViewMut};
+use kda_kernels::{
+    Backend, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, TensorViewMut,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use state_pool::{DeviceMemory, Dtype, PoolGeometry, RingMeta, Rounding, StateLayout};
@@ -297,40 +299,43 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
     }
 }
 
-/// Runs `steps` eager decode steps of `case` with the pipelined kernel on one layer and the
-/// one-item-per-CTA kernel on another, from the same states and inputs; asserts equal bits of
-/// outputs and states after every step.
+/// Runs `steps` eager decode steps of `case` with each of the pipelined kernel and
+/// `kda_eager_tile` on one layer and the general kernel (`kda_step`) on its twin, from the same
+/// states and inputs; asserts equal bits of outputs and states after every step.
 fn check_pipelined_eager_matches_blocked(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let (mut piped, mut blocked) = twin_layers(cu, case, case, &mut rng);
-    let n = case.slots.len();
-    let dims = case.dims();
-    let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);
-    let bounds: Vec<usize> = (0..=n).collect();
-    for step in 0..steps {
-        let inputs = HostInputs::random(&mut rng, dims, n, &case.opts, case.input_dtype)
-            .with_gate_params(&params.a_log, &params.dt_bias);
-        let run = |layer: &mut TestLayer<_>, on: bool| {
-            cu.set_eager_pipelined(Some(on)).expect("kernel choice");
-            run_tokens(
-                cu,
-                layer,
-                TokenOp::Decode,
-                &bounds,
-                &case.slots,
-                &inputs,
-                &case.opts,
-            )
-            .expect("cuda decode")
-        };
-        let o_piped = run(&mut piped, true);
-        let o_blocked = run(&mut blocked, false);
-        assert_bits_eq(&o_piped, &o_blocked, &format!("step {step} outputs"));
-        let a = piped.read_states(cu.memory(), &case.slots).expect("read");
-        let b = blocked.read_states(cu.memory(), &case.slots).expect("read");
-        assert_bits_eq(&a, &b, &format!("step {step} states"));
+    for kernel in [EagerKernel::Pipelined, EagerKernel::Tile] {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let (mut fast, mut general) = twin_layers(cu, case, case, &mut rng);
+        let n = case.slots.len();
+        let dims = case.dims();
+        let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);
+        let bounds: Vec<usize> = (0..=n).collect();
+        for step in 0..steps {
+            let inputs = HostInputs::random(&mut rng, dims, n, &case.opts, case.input_dtype)
+                .with_gate_params(&params.a_log, &params.dt_bias);
+            let run = |layer: &mut TestLayer<_>, k: EagerKernel| {
+                cu.set_eager_kernel(Some(k)).expect("kernel choice");
+                run_tokens(
+                    cu,
+                    layer,
+                    TokenOp::Decode,
+                    &bounds,
+                    &case.slots,
+                    &inputs,
+                    &case.opts,
+                )
+                .expect("cuda decode")
+            };
+            let o_fast = run(&mut fast, kernel);
+            let o_general = run(&mut general, EagerKernel::Step);
+            let what = format!("{kernel:?} step {step}");
+            assert_bits_eq(&o_fast, &o_general, &format!("{what} outputs"));
+            let a = fast.read_states(cu.memory(), &case.slots).expect("read");
+            let b = general.read_states(cu.memory(), &case.slots).expect("read");
+            assert_bits_eq(&a, &b, &format!("{what} states"));
+        }
     }
-    cu.set_eager_pipelined(None).expect("kernel choice");
+    cu.set_eager_kernel(None).expect("kernel choice");
 }
 
 #[test]

@@ -24,11 +24,14 @@ use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{
     FastDiv, KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT,
 };
-use super::registry::{eager_kernel, ring_kernel, step_kernel, warm_up, StepKey};
+use super::registry::{
+    eager_kernel, eager_tile_kernel, ring_kernel, step_kernel, warm_up, StepKey,
+};
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
     TensorViewMut,
 };
+use crate::choice::EagerKernel;
 use crate::cpu::validate::{check_accepted, check_layer, validate_call, CallArgs, Op};
 use crate::error::{KernelError, Result};
 
@@ -64,8 +67,8 @@ pub struct CudaBackend {
     err: Mutex<CudaBuffer>,
     /// Warps per CTA of eager decode (`None`: chosen per call).
     eager_warps: Mutex<Option<u32>>,
-    /// Whether eager decode uses the pipelined kernel (`None`: wherever the shape allows).
-    eager_pipelined: Mutex<Option<bool>>,
+    /// The eager-decode kernel asked for (`None`: chosen per call).
+    eager_kernel: Mutex<Option<EagerKernel>>,
     /// Pipeline stages of the pipelined eager kernel (`None`: the default).
     eager_stages: Mutex<Option<usize>>,
     /// Whether calls with a ring use the pipelined kernel `kda_ring` (`None`: wherever it fits).
@@ -157,6 +160,8 @@ struct EagerShape {
     v_first: bool,
     /// Multiprocessors of the device.
     num_sms: usize,
+    /// The kernel asked for (`None`: the plan's choice).
+    kernel: Option<EagerKernel>,
 }
 
 /// Value heads of a call from which a 2-byte K-first pool decodes a whole head per CTA
@@ -164,7 +169,8 @@ struct EagerShape {
 /// 4-7% faster from 2048 heads, within 2% slower below).
 const WHOLE_HEAD_FROM: usize = 2048;
 
-/// A launch of the pipelined eager kernel.
+/// A launch of an eager kernel: the pipelined one, or `kda_eager_tile` (`tile`), which uses
+/// the same items (warps, column blocks) one per CTA and no dynamic shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct EagerPlan {
     warps: usize,
@@ -176,16 +182,23 @@ struct EagerPlan {
     /// Whether the updated tile goes back out through its stage (written there, then copied
     /// out in whole 16-byte chunks: `kda_eager_stage`) rather than from registers (`kda_eager`).
     stage_store: bool,
+    /// Whether `kda_eager_tile` runs the items instead (one per CTA).
+    tile: bool,
 }
+
+/// Items per SM up to which a 2-byte K-first pool decodes with `kda_eager_tile` (H200 sweep,
+/// docs/performance.md, thirteenth session: 1-11% faster up to about 4 items per SM, 1-13%
+/// slower from about 8).
+const TILE_2_BYTE_K_FIRST_ITEMS_PER_SM: usize = 4;
 
 /// Bytes of a tile row from which a 2-byte K-first pool writes its updated tile back through
 /// the stage (8 warps at V = 128). H200 A/B (docs/performance.md, sixth session): 5-11% faster
 /// with rows of 256 bytes, 6-9% slower with rows of 128 bytes (4 warps) and at N = 1.
 const STAGE_STORE_ROW_BYTES: usize = 256;
 
-/// The pipelined eager kernel's launch, or `None` where its 16-byte copies or its lane
-/// mapping do not fit the shape (then the one-item-per-CTA kernel runs). Mirrors the
-/// constants of `kernels/kda_decode.cu` (LK, TK, RG, WC, `EagerStage`).
+/// The launch of an eager kernel (the pipelined one or `kda_eager_tile`), or `None` where the
+/// pipelined kernel's 16-byte copies or its lane mapping do not fit the shape (then `kda_step`
+/// runs). Mirrors the constants of `kernels/kda_decode.cu` (LK, TK, RG, WC, `EagerStage`).
 fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let wc = warp_columns(e.k);
@@ -199,13 +212,16 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     // 2-byte K-first tiles: 3 stages, and whole heads for big calls (the H200 sweep of
     // docs/performance.md); otherwise 4 warps and 2 stages (best or within 5% of best there)
     let two_byte_kf = e.state_size == 2 && !e.v_first;
-    // fp32 pools with fewer 4-warp CTAs than SMs (N = 1): 2 warps, twice the CTAs (the H200
-    // sweep: 4.05 against 4.33 us at H = 12, N = 1; 2-byte pools stay at 4 warps there)
     let few = e.heads * wph.div_ceil(4) < e.num_sms;
+    // the pipelined kernel whatever the shape: asked for, or stages asked for
+    let pipelined = e.kernel == Some(EagerKernel::Pipelined) || e.stages.is_some();
     let warps = match e.fixed_warps {
         Some(w) => w.min(wph),
         None if two_byte_kf && e.heads >= WHOLE_HEAD_FROM => wph.min(8),
-        None if e.state_size == 4 && few => wph.min(2),
+        // the pipelined kernel on fp32 pools with fewer 4-warp CTAs than SMs (N = 1): 2 warps,
+        // twice the CTAs (the H200 sweep: 4.05 against 4.33 us at H = 12, N = 1); 4 for
+        // kda_eager_tile, whose inputs are loaded first only from 4 warps
+        None if e.state_size == 4 && few && pipelined => wph.min(2),
         None => wph.min(4),
     };
     let cw = warps * wc;
@@ -231,6 +247,19 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let stages = e
         .stages
         .unwrap_or(if deep { 3 } else { DEFAULT_EAGER_STAGES });
+    // kda_eager_tile (one item per CTA, the tile straight into registers) where it measured
+    // faster on the H200 (docs/performance.md, thirteenth session), with 4 warps or more (its
+    // inputs loaded first) and no stages asked for: fp32 and 2-byte V-first pools, whose
+    // lanes load whole 64- or 256-byte pieces; 2-byte K-first pools, whose lanes load 8 bytes
+    // a row, only while a CTA of the pipelined kernel would have little to overlap.
+    let tile = match e.kernel {
+        Some(EagerKernel::Tile) => true,
+        _ => {
+            !pipelined
+                && warps >= 4
+                && (!two_byte_kf || items <= TILE_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms)
+        }
+    };
     [stages, 2]
         .into_iter()
         .find(|&st| st * stage + static_smem <= e.smem_optin)
@@ -238,8 +267,9 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             warps,
             vblocks: wph.div_ceil(warps),
             stages,
-            smem: stages * stage,
+            smem: if tile { 0 } else { stages * stage },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
+            tile,
         })
 }
 
@@ -373,7 +403,7 @@ impl CudaBackend {
             mem,
             err: Mutex::new(err),
             eager_warps: Mutex::new(None),
-            eager_pipelined: Mutex::new(None),
+            eager_kernel: Mutex::new(None),
             eager_stages: Mutex::new(None),
             ring_pipelined: Mutex::new(None),
             dependent_launch: Mutex::new(None),
@@ -412,12 +442,11 @@ impl CudaBackend {
         &self.ctx
     }
 
-    /// Chooses the eager-decode kernel: `Some(true)` the pipelined one (persistent CTAs that
-    /// copy the next item's state into shared memory while computing the current one) wherever
-    /// the shape allows it, `Some(false)` the one-item-per-CTA kernel, `None` (the default) the
-    /// pipelined one wherever the shape allows it.
-    pub fn set_eager_pipelined(&self, on: Option<bool>) -> Result<()> {
-        *self.eager_pipelined.lock() = on;
+    /// Chooses the eager-decode kernel ([`EagerKernel`]); `None` (the default) picks per call:
+    /// `kda_eager_tile` for big fp32 calls, the pipelined kernel for the others, wherever the
+    /// shape allows them (else `kda_step`).
+    pub fn set_eager_kernel(&self, kernel: Option<EagerKernel>) -> Result<()> {
+        *self.eager_kernel.lock() = kernel;
         Ok(())
     }
 
@@ -695,8 +724,8 @@ impl CudaBackend {
         let wc = warp_columns(g.k);
         let warps_per_head = g.v.div_ceil(wc);
         let fixed_warps = *self.eager_warps.lock();
-        let pipelined = *self.eager_pipelined.lock();
-        let pipe = if !ring && call.op == Op::Decode && pipelined != Some(false) {
+        let eager_choice = *self.eager_kernel.lock();
+        let pipe = if !ring && call.op == Op::Decode && eager_choice != Some(EagerKernel::Step) {
             eager_plan(&EagerShape {
                 k: g.k,
                 v: g.v,
@@ -708,6 +737,7 @@ impl CudaBackend {
                 heads: n * g.hv,
                 v_first: g.layout == StateLayout::VFirst,
                 num_sms: self.num_sms as usize,
+                kernel: eager_choice,
             })
         } else {
             None
@@ -730,6 +760,12 @@ impl CudaBackend {
             None
         };
         let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
+            (Some(pl), _) if pl.tile => (
+                eager_tile_kernel(&self.ctx, key)?,
+                "kda_eager_tile",
+                0,
+                None,
+            ),
             (Some(pl), _) => {
                 let (f, name) = eager_kernel(&self.ctx, key, pl.stage_store)?;
                 let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
@@ -1084,6 +1120,7 @@ mod tests {
             heads,
             v_first,
             num_sms: 132,
+            kernel: None,
         }
     }
 
@@ -1094,8 +1131,12 @@ mod tests {
 
     #[test]
     fn eager_plan_defaults_follow_the_measured_sweep() {
-        // fp32, N = 1 at H = 12: 2 warps (48 CTAs) rather than 4 (24 CTAs)
-        assert_eq!(plan(&shape(4, 12, false)), (2, 4, 2));
+        // fp32, N = 1 at H = 12: 4 warps for kda_eager_tile; the pipelined kernel 2 warps (48
+        // CTAs) rather than 4 (24 CTAs)
+        assert_eq!(plan(&shape(4, 12, false)), (4, 2, 2));
+        let mut e = shape(4, 12, false);
+        e.kernel = Some(EagerKernel::Pipelined);
+        assert_eq!(plan(&e), (2, 4, 2));
         // fp32: 4 warps; 3 stages (2 CTAs per SM, 264 CTAs) from 4 items per CTA (1056 items),
         // 2 below
         assert_eq!(plan(&shape(4, 768, false)), (4, 2, 3));
@@ -1113,6 +1154,46 @@ mod tests {
         assert_eq!(plan(&shape(2, 1056, true)), (4, 2, 3));
         assert_eq!(plan(&shape(2, 1055, true)), (4, 2, 2));
         assert_eq!(plan(&shape(2, 3072, true)), (4, 2, 3));
+    }
+
+    #[test]
+    fn eager_plan_takes_the_tile_kernel_where_it_measured_faster() {
+        let tile = |e: &EagerShape| eager_plan(e).expect("plan");
+        // fp32 and 2-byte V-first pools at 4 warps and more, whatever the size
+        for (size, heads, v_first) in [
+            (4, 96, false),
+            (4, 8192, false),
+            (4, 96, true),
+            (2, 12, true),
+            (2, 8192, true),
+        ] {
+            let p = tile(&shape(size, heads, v_first));
+            assert!(p.tile, "{size}-byte, {heads} heads, V-first {v_first}");
+            assert_eq!(p.smem, 0, "no stages for the tile kernel");
+        }
+        // fp32 with fewer 4-warp CTAs than SMs (N = 1): 4 warps, the tile kernel
+        assert!(tile(&shape(4, 12, false)).tile);
+        // fewer than 4 warps asked for: the pipelined kernel
+        let mut e = shape(4, 3072, false);
+        e.fixed_warps = Some(2);
+        assert!(!tile(&e).tile);
+        // 2-byte K-first: up to 4 items per SM (528 items of 2 column blocks: 264 heads)
+        assert!(tile(&shape(2, 12, false)).tile);
+        assert!(tile(&shape(2, 264, false)).tile);
+        let p = tile(&shape(2, 265, false));
+        assert!(!p.tile);
+        assert!(p.smem > 0);
+        assert!(!tile(&shape(2, 8192, false)).tile);
+        // stages asked for: the pipelined kernel; a kernel asked for: that one
+        let mut e = shape(4, 3072, false);
+        e.stages = Some(3);
+        assert!(!tile(&e).tile);
+        e.stages = None;
+        e.kernel = Some(EagerKernel::Pipelined);
+        assert!(!tile(&e).tile);
+        let mut e = shape(4, 12, false);
+        e.kernel = Some(EagerKernel::Tile);
+        assert!(tile(&e).tile);
     }
 
     #[test]

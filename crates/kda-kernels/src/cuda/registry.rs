@@ -51,6 +51,7 @@ enum Key {
     Step(StepKey),
     Eager(StepKey),
     EagerStage(StepKey),
+    EagerTile(StepKey),
     Ring(StepKey),
     Fill,
     Copy,
@@ -63,6 +64,7 @@ impl Key {
             Key::Step(_) => "kda_step",
             Key::Eager(_) => "kda_eager",
             Key::EagerStage(_) => "kda_eager_stage",
+            Key::EagerTile(_) => "kda_eager_tile",
             Key::Ring(_) => "kda_ring",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
@@ -72,13 +74,17 @@ impl Key {
     /// The module that holds the kernel.
     fn module(self) -> ModuleKey {
         match self {
-            Key::Step(k) | Key::Eager(k) | Key::EagerStage(k) | Key::Ring(k) => ModuleKey::Step(k),
+            Key::Step(k)
+            | Key::Eager(k)
+            | Key::EagerStage(k)
+            | Key::EagerTile(k)
+            | Key::Ring(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (four kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (five kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -87,11 +93,12 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 4] {
+fn step_module(k: StepKey) -> [Key; 5] {
     [
         Key::Step(k),
         Key::Eager(k),
         Key::EagerStage(k),
+        Key::EagerTile(k),
         Key::Ring(k),
     ]
 }
@@ -286,6 +293,12 @@ pub(crate) fn eager_kernel(
     Ok((get(ctx, key)?, key.entry()))
 }
 
+/// The one-item-per-CTA eager-decode kernel `kda_eager_tile` specialised on `key` (same
+/// module as `kda_step`), compiled on first use.
+pub(crate) fn eager_tile_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+    get(ctx, Key::EagerTile(key))
+}
+
 /// The pipelined ring kernel `kda_ring` specialised on `key` (same module as
 /// `kda_step`), compiled on first use.
 pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
@@ -351,7 +364,13 @@ mod tests {
         let names: Vec<&str> = step_module(k).iter().map(|key| key.entry()).collect();
         assert_eq!(
             names,
-            ["kda_step", "kda_eager", "kda_eager_stage", "kda_ring"]
+            [
+                "kda_step",
+                "kda_eager",
+                "kda_eager_stage",
+                "kda_eager_tile",
+                "kda_ring"
+            ]
         );
     }
 

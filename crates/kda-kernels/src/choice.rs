@@ -1,0 +1,15 @@
+//! Kernel choices a caller can force on the CUDA backend (benchmarks, tests). By default the
+//! backend picks per call from the call's shape.
+
+/// The eager-decode kernels (`ring_len` 0, one token per sequence).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EagerKernel {
+    /// Persistent CTAs that copy the next items' state tiles into shared memory while they
+    /// compute the current one (`kda_eager`, `kda_eager_stage`), where the shape allows it.
+    Pipelined,
+    /// One item per CTA, its state tile straight into registers and its token's inputs loaded
+    /// first (`kda_eager_tile`), where the shape allows the pipelined kernel.
+    Tile,
+    /// The general kernel of every operation, one item per CTA (`kda_step`).
+    Step,
+}
