@@ -187,8 +187,8 @@ struct EagerPlan {
 }
 
 /// Items per SM up to which a 2-byte K-first pool decodes with `kda_eager_tile` (H200 sweep,
-/// docs/performance.md, thirteenth session: 1-11% faster up to about 4 items per SM, 1-13%
-/// slower from about 8).
+/// docs/performance.md, thirteenth session: up to 11% faster up to about 4 items per SM,
+/// 1-14% slower from about 8).
 const TILE_2_BYTE_K_FIRST_ITEMS_PER_SM: usize = 4;
 
 /// Bytes of a tile row from which a 2-byte K-first pool writes its updated tile back through
