@@ -3,28 +3,17 @@
 # place, same bytes, torch's vectorised elementwise kernels, CUDA graphs, rotating buffers.
 import torch, json, sys
 dev = torch.device("cuda")
-def bench(make, run, nbufs, reps=20):
+from graph_timing import time_graph
+
+
+def bench(make, run, nbufs):
     bufs = [make() for _ in range(nbufs)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for b in bufs: run(b)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for b in bufs: run(b)
-    for _ in range(3): g.replay()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(3):
-        e0 = torch.cuda.Event(enable_timing=True); e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(reps): g.replay()
-        e1.record(); torch.cuda.synchronize()
-        best.append(e0.elapsed_time(e1) * 1e3 / (reps * nbufs))
-    del bufs, g
+    us = time_graph(lambda i: run(bufs[i]), nbufs)
+    del bufs
     torch.cuda.empty_cache()
-    return sorted(best)[1]
+    return us
+
+
 for mb in [50.331648, 100.663296, 268.435456, 536.870912, 1073.741824]:
     by = int(mb * 1e6 / 2)  # bytes read (= written)
     nb = max(2, int(800e6 // by))

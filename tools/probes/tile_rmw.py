@@ -2,6 +2,7 @@
 # What a plain in-place tile read-modify-write reaches with eager decode's decomposition:
 # one program per (head, column block), [K rows x CW columns] of a K-first head, no pipeline.
 import torch, triton, triton.language as tl, json, sys
+from graph_timing import time_graph
 
 @triton.jit
 def tile_rmw(S, scale, K: tl.constexpr, CW: tl.constexpr, V: tl.constexpr, VB: tl.constexpr):
@@ -14,24 +15,8 @@ def tile_rmw(S, scale, K: tl.constexpr, CW: tl.constexpr, V: tl.constexpr, VB: t
     x = tl.load(ptr)
     tl.store(ptr, (x.to(tl.float32) * scale).to(x.dtype))
 
-def bench(fn, bufs, reps=20):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for b in bufs: fn(b)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for b in bufs: fn(b)
-    for _ in range(3): g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(3):
-        e0 = torch.cuda.Event(enable_timing=True); e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(reps): g.replay()
-        e1.record(); torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / (reps * len(bufs)))
-    return sorted(ts)[1]
+def bench(fn, bufs):
+    return time_graph(lambda i: fn(bufs[i]), len(bufs))
 
 K = V = 128
 only = sys.argv[1] if len(sys.argv) > 1 else None

@@ -3,6 +3,7 @@
 # to see what a non-persistent kernel with the full arithmetic reaches.
 # `python3 triton_decode.py` times H 12/32 x N 64/256; `--once fp32 64` launches one case 4x.
 import torch, triton, triton.language as tl, json, sys
+from graph_timing import time_graph
 
 @triton.jit
 def kda_tile(S, Q, Kk, D, Vv, B, O, slots, HV: tl.constexpr, K: tl.constexpr, CW: tl.constexpr,
@@ -30,24 +31,8 @@ def kda_tile(S, Q, Kk, D, Vv, B, O, slots, HV: tl.constexpr, K: tl.constexpr, CW
     tl.store(sp, s.to(S.dtype.element_ty))
     tl.store(O + nh * V + cb + c, o)
 
-def bench(fn, nsets, reps=20):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(nsets): fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(nsets): fn(i)
-    for _ in range(3): g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(3):
-        e0 = torch.cuda.Event(enable_timing=True); e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(reps): g.replay()
-        e1.record(); torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / (reps * nsets))
-    return sorted(ts)[1]
+def bench(fn, nsets):
+    return time_graph(fn, nsets)
 
 
 def once(state, cw, H=32, N=256):
