@@ -302,7 +302,12 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
 /// Runs `steps` eager decode steps of `case` with each of the pipelined kernel and
 /// `kda_eager_tile` on one layer and the general kernel (`kda_step`) on its twin, from the same
 /// states and inputs; asserts equal bits of outputs and states after every step.
-fn check_pipelined_eager_matches_blocked(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) {
+fn check_fast_eager_kernels_match_the_general_one(
+    cu: &CudaBackend,
+    case: &Case,
+    steps: usize,
+    seed: u64,
+) {
     for kernel in [EagerKernel::Pipelined, EagerKernel::Tile] {
         let mut rng = StdRng::seed_from_u64(seed);
         let (mut fast, mut general) = twin_layers(cu, case, case, &mut rng);
@@ -339,9 +344,10 @@ fn check_pipelined_eager_matches_blocked(cu: &CudaBackend, case: &Case, steps: u
 }
 
 #[test]
-fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() {
+fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
     let Some(cu) = cuda() else { return };
-    // 48 sequences x 8 value heads: more items than CTAs, so each CTA loops and prefetches
+    // 48 sequences x 8 value heads: more items than pipelined CTAs, so each of them loops and
+    // prefetches
     let n = 48;
     let slots: Vec<u32> = (0..n as u32).map(|i| 3 * i + 2).collect();
     for state in Dtype::ALL {
@@ -360,7 +366,7 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
                 rounding,
                 ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
             };
-            check_pipelined_eager_matches_blocked(&cu, &c, 3, 61);
+            check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 61);
         }
     }
     // stochastic rounding of a K-first 2-byte pool, whole heads (8 warps: the tile goes back
@@ -375,7 +381,7 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
             },
             ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
         };
-        check_pipelined_eager_matches_blocked(&cu, &c, 3, 60 + u64::from(warps));
+        check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 60 + u64::from(warps));
     }
     cu.set_eager_warps(None).expect("warps");
     // narrower CTAs (more column blocks per head, more CTAs per SM), 2 and 3 stages; V-first
@@ -402,7 +408,7 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
             layout,
             ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
         };
-        check_pipelined_eager_matches_blocked(
+        check_fast_eager_kernels_match_the_general_one(
             &cu,
             &c,
             2,
@@ -423,7 +429,7 @@ fn cuda_pipelined_eager_decode_equals_the_one_item_per_cta_kernel_bit_for_bit() 
         0,
     );
     c.opts.gate = GateMode::LowerBound(-3.0);
-    check_pipelined_eager_matches_blocked(&cu, &c, 3, 62);
+    check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 62);
 }
 
 #[test]
