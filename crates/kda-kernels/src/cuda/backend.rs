@@ -249,9 +249,9 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         .unwrap_or(if deep { 3 } else { DEFAULT_EAGER_STAGES });
     // kda_eager_tile (one item per CTA, the tile straight into registers) where it measured
     // faster on the H200 (docs/performance.md, thirteenth session), with 4 warps or more (its
-    // inputs loaded first) and no stages asked for: fp32 and 2-byte V-first pools, whose
-    // lanes load whole 64- or 256-byte pieces; 2-byte K-first pools, whose lanes load 8 bytes
-    // a row, only while a CTA of the pipelined kernel would have little to overlap.
+    // inputs loaded first) and no stages asked for: fp32 and 2-byte V-first pools (a warp's
+    // load fetches 64-byte row or 128-byte column pieces); 2-byte K-first pools (32-byte row
+    // pieces) only while a CTA of the pipelined kernel would have little to overlap.
     let tile = match e.kernel {
         Some(EagerKernel::Tile) => true,
         _ => {
