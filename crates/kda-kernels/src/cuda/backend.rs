@@ -442,9 +442,10 @@ impl CudaBackend {
         &self.ctx
     }
 
-    /// Chooses the eager-decode kernel ([`EagerKernel`]); `None` (the default) picks per call:
-    /// `kda_eager_tile` for big fp32 calls, the pipelined kernel for the others, wherever the
-    /// shape allows them (else `kda_step`).
+    /// Chooses the eager-decode kernel ([`EagerKernel`]); `None` (the default) picks per call,
+    /// wherever the shape allows the pipelined kernel (else `kda_step`): `kda_eager_tile` for
+    /// fp32 and 2-byte V-first pools and for small 2-byte K-first calls, the pipelined kernel
+    /// for big 2-byte K-first calls (`eager_plan`).
     pub fn set_eager_kernel(&self, kernel: Option<EagerKernel>) -> Result<()> {
         *self.eager_kernel.lock() = kernel;
         Ok(())
