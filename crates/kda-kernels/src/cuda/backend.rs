@@ -162,6 +162,8 @@ struct EagerShape {
     num_sms: usize,
     /// The kernel asked for (`None`: the plan's choice).
     kernel: Option<EagerKernel>,
+    /// Whether the pool rounds stochastically (`kda_eager_tile_packed` rounds to nearest only).
+    stochastic: bool,
 }
 
 /// Value heads of a call from which a 2-byte K-first pool decodes a whole head per CTA
@@ -184,6 +186,9 @@ struct EagerPlan {
     stage_store: bool,
     /// Whether `kda_eager_tile` runs the items instead (one per CTA).
     tile: bool,
+    /// Whether that tile kernel is `kda_eager_tile_packed` (2-byte tiles two elements per
+    /// register; only with `tile`).
+    packed: bool,
 }
 
 /// Items per SM up to which a 2-byte K-first pool decodes with `kda_eager_tile` (H200 sweep,
@@ -253,13 +258,17 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     // load fetches 64-byte row or 128-byte column pieces); 2-byte K-first pools (32-byte row
     // pieces) only while a CTA of the pipelined kernel would have little to overlap.
     let tile = match e.kernel {
-        Some(EagerKernel::Tile) => true,
+        Some(EagerKernel::Tile | EagerKernel::PackedTile) => true,
         _ => {
             !pipelined
                 && warps >= 4
                 && (!two_byte_kf || items <= TILE_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms)
         }
     };
+    // 2-byte tiles two elements per register (any 2-byte tile that fits the pipelined kernel's
+    // 16-byte copies packs: whole 4-column K-first rows, whole 8-row V-first groups)
+    let packed =
+        tile && e.kernel == Some(EagerKernel::PackedTile) && e.state_size == 2 && !e.stochastic;
     [stages, 2]
         .into_iter()
         .find(|&st| st * stage + static_smem <= e.smem_optin)
@@ -270,6 +279,7 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             smem: if tile { 0 } else { stages * stage },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
             tile,
+            packed,
         })
 }
 
@@ -739,6 +749,7 @@ impl CudaBackend {
                 v_first: g.layout == StateLayout::VFirst,
                 num_sms: self.num_sms as usize,
                 kernel: eager_choice,
+                stochastic: sr == 1,
             })
         } else {
             None
@@ -761,12 +772,10 @@ impl CudaBackend {
             None
         };
         let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
-            (Some(pl), _) if pl.tile => (
-                eager_tile_kernel(&self.ctx, key)?,
-                "kda_eager_tile",
-                0,
-                None,
-            ),
+            (Some(pl), _) if pl.tile => {
+                let (f, name) = eager_tile_kernel(&self.ctx, key, pl.packed)?;
+                (f, name, 0, None)
+            }
             (Some(pl), _) => {
                 let (f, name) = eager_kernel(&self.ctx, key, pl.stage_store)?;
                 let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
@@ -1122,6 +1131,7 @@ mod tests {
             v_first,
             num_sms: 132,
             kernel: None,
+            stochastic: false,
         }
     }
 
@@ -1195,6 +1205,27 @@ mod tests {
         let mut e = shape(4, 12, false);
         e.kernel = Some(EagerKernel::Tile);
         assert!(tile(&e).tile);
+    }
+
+    #[test]
+    fn eager_plan_packs_only_nearest_rounding_2_byte_tiles_when_asked() {
+        let packed = |size: usize, v_first: bool, stochastic: bool, kernel: Option<EagerKernel>| {
+            let mut e = shape(size, 768, v_first);
+            e.stochastic = stochastic;
+            e.kernel = kernel;
+            let p = eager_plan(&e).expect("plan");
+            assert!(!p.packed || p.tile, "packed implies the tile kernel");
+            p.packed
+        };
+        for v_first in [false, true] {
+            assert!(packed(2, v_first, false, Some(EagerKernel::PackedTile)));
+            // fp32 and stochastic rounding: the plain tile kernel
+            assert!(!packed(4, v_first, false, Some(EagerKernel::PackedTile)));
+            assert!(!packed(2, v_first, true, Some(EagerKernel::PackedTile)));
+            for kernel in [None, Some(EagerKernel::Tile), Some(EagerKernel::Pipelined)] {
+                assert!(!packed(2, v_first, false, kernel), "{kernel:?}");
+            }
+        }
     }
 
     #[test]

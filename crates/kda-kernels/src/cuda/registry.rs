@@ -52,6 +52,7 @@ enum Key {
     Eager(StepKey),
     EagerStage(StepKey),
     EagerTile(StepKey),
+    EagerTilePacked(StepKey),
     Ring(StepKey),
     Fill,
     Copy,
@@ -65,6 +66,7 @@ impl Key {
             Key::Eager(_) => "kda_eager",
             Key::EagerStage(_) => "kda_eager_stage",
             Key::EagerTile(_) => "kda_eager_tile",
+            Key::EagerTilePacked(_) => "kda_eager_tile_packed",
             Key::Ring(_) => "kda_ring",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
@@ -78,13 +80,14 @@ impl Key {
             | Key::Eager(k)
             | Key::EagerStage(k)
             | Key::EagerTile(k)
+            | Key::EagerTilePacked(k)
             | Key::Ring(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (five kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (six kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -93,12 +96,13 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 5] {
+fn step_module(k: StepKey) -> [Key; 6] {
     [
         Key::Step(k),
         Key::Eager(k),
         Key::EagerStage(k),
         Key::EagerTile(k),
+        Key::EagerTilePacked(k),
         Key::Ring(k),
     ]
 }
@@ -293,10 +297,20 @@ pub(crate) fn eager_kernel(
     Ok((get(ctx, key)?, key.entry()))
 }
 
-/// The one-item-per-CTA eager-decode kernel `kda_eager_tile` specialised on `key` (same
-/// module as `kda_step`), compiled on first use.
-pub(crate) fn eager_tile_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
-    get(ctx, Key::EagerTile(key))
+/// The one-item-per-CTA eager-decode kernel specialised on `key` (same module as
+/// `kda_step`), compiled on first use, and its name: `kda_eager_tile_packed` (the 2-byte tile
+/// two elements per register) where `packed`, else `kda_eager_tile`.
+pub(crate) fn eager_tile_kernel(
+    ctx: &Arc<CudaContext>,
+    key: StepKey,
+    packed: bool,
+) -> Result<(CudaFunction, &'static str)> {
+    let key = if packed {
+        Key::EagerTilePacked(key)
+    } else {
+        Key::EagerTile(key)
+    };
+    Ok((get(ctx, key)?, key.entry()))
 }
 
 /// The pipelined ring kernel `kda_ring` specialised on `key` (same module as
@@ -369,6 +383,7 @@ mod tests {
                 "kda_eager",
                 "kda_eager_stage",
                 "kda_eager_tile",
+                "kda_eager_tile_packed",
                 "kda_ring"
             ]
         );
