@@ -29,8 +29,6 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) { return __float2
 #define KDA_STORE_STREAM(ptr, val) (*(ptr) = (val))
 #define KDA_GRID_DEPENDENCY 0
 #define KDA_DEPENDENT_LAUNCH() ((void)0)
-// No instruction: the compiler must assume the 32-bit register x changed here.
-#define KDA_OPAQUE(x) asm volatile("" : "+v"(x))
 #else
 struct __align__(2) kda_half {
     unsigned short bits;
@@ -73,8 +71,6 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) {
 #define KDA_SYNCWARP() __syncwarp()
 // A hint: fetch the 128-byte line holding ptr into L2 (no register, no wait).
 #define KDA_PREFETCH_L2(ptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr))
-// No instruction: the compiler must assume the 32-bit register x changed here.
-#define KDA_OPAQUE(x) asm volatile("" : "+r"(x))
 // A store that L2 may evict first (st.global.cs).
 #define KDA_STORE_STREAM(ptr, val) __stcs((ptr), (val))
 // Programmatic dependent launch (sm_90): wait until the grid this one depends on has finished

@@ -1122,6 +1122,27 @@ __device__ __forceinline__ void tile_copy_out(const unsigned char* src, ST* head
     });
 }
 
+// The activations of an eager item's token, split over the CTA: warp 0 the key, warp 1 (warp
+// 0 when alone) the query, both l2norms in parallel; the threads from warp 2 on (all of them
+// with fewer than 3 warps) the decays, the values of the CTA's cwv columns and beta. k, q, g,
+// v: the raw rows (in a stage or in global memory), bias: the head's dt_bias row, beta_raw and
+// a_log: the raw scalars (a_log used only with a gate).
+__device__ __forceinline__ void eager_activate(const KdaParams& p, const IT* k, const IT* q, const IT* g,
+                                               const float* bias, const IT* v, int cwv, float beta_raw,
+                                               float a_log, float* ak, float* aq, float* ad, float* av,
+                                               float* abeta) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    if (warp == 0) act_row(k, ak, p.l2norm != 0u, false, p.scale, lane);
+    if (warp == (nwarps > 1 ? 1 : 0)) act_row(q, aq, p.l2norm != 0u, true, p.scale, lane);
+    const int d0 = nwarps > 2 ? 64 : 0, dn = (int)blockDim.x - d0, tid = (int)threadIdx.x - d0;
+    if (tid >= 0) {
+        const float a_exp = p.gate_mode ? expf(a_log) : 0.0f;
+        for (int kk = tid; kk < K; kk += dn) ad[kk] = decay_of(g, bias, kk, p, a_exp);
+        for (int c = tid; c < cwv; c += dn) av[c] = kda_load(v[c]);
+        if (tid == 0) *abeta = act_beta(beta_raw, p);
+    }
+}
+
 // The body of kda_eager and kda_eager_stage. VIA_STAGE (2-byte K-first only): the updated tile
 // goes back out through its stage, written there and copied out in whole 16-byte chunks, so a
 // warp writes whole tile rows; the host launches it for rows of 256 bytes, where it measured
@@ -1198,21 +1219,9 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
         // activations of the item's token: warp 0 the key, warp 1 the query (both l2norms in
         // parallel), the threads of the other warps the decays, values and beta
         const int cwv = cmin(cw, V - me.cb);
-        if (warp == 0) act_row(reinterpret_cast<const IT*>(st + L.k), ak, p.l2norm != 0u, false, p.scale, lane);
-        if (warp == (nwarps > 1 ? 1 : 0))
-            act_row(reinterpret_cast<const IT*>(st + L.q), aq, p.l2norm != 0u, true, p.scale, lane);
-        {
-            const int d0 = nwarps > 2 ? 64 : 0, dn = (int)blockDim.x - d0, tid = (int)threadIdx.x - d0;
-            if (tid >= 0) {
-                const float a_exp = p.gate_mode ? expf(a_log) : 0.0f;
-                const IT* rg = reinterpret_cast<const IT*>(st + L.g);
-                const float* bias = reinterpret_cast<const float*>(st + L.bias);
-                for (int kk = tid; kk < K; kk += dn) ad[kk] = decay_of(rg, bias, kk, p, a_exp);
-                const IT* rv = reinterpret_cast<const IT*>(st + L.v);
-                for (int c = tid; c < cwv; c += dn) av[c] = kda_load(rv[c]);
-                if (tid == 0) abeta = act_beta(beta_raw, p);
-            }
-        }
+        eager_activate(p, reinterpret_cast<const IT*>(st + L.k), reinterpret_cast<const IT*>(st + L.q),
+                       reinterpret_cast<const IT*>(st + L.g), reinterpret_cast<const float*>(st + L.bias),
+                       reinterpret_cast<const IT*>(st + L.v), cwv, beta_raw, a_log, ak, aq, ad, av, &abeta);
         // this item's tile (2 S groups committed after it... its own and the S - 1 items after)
         if (S == 3) {
             cp_async_wait<4>();
@@ -1262,6 +1271,13 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
 #define KDA_EAGER_BOUNDS __launch_bounds__(256, 2)
 #endif
 
+// Prefetches into L2 the state tile of eager item `item`, whose sequence has slot `slot` (CTAs
+// of cw columns).
+__device__ __forceinline__ void prefetch_item(const KdaParams& p, kda_u32 item, kda_u32 slot, int cw) {
+    const EagerItem it = eager_item(p, item, slot);
+    prefetch_tile(state_head(p, it.slot, it.hv), it.cb, cmin(cw, V - it.cb));
+}
+
 // A dependent launch (p.early), before its wait: the state tiles of the items the prologue
 // issues go into L2 while the grid before this one finishes, so their copies after the wait
 // find them there. Safe before the wait: the slots are the host's (early_slot), and an L2
@@ -1284,8 +1300,7 @@ __device__ __forceinline__ void eager_prefetch_first(const KdaParams& p) {
     for (int j = 0; j < 2; ++j) {
         const kda_u32 item = blockIdx.x + (kda_u32)j * gridDim.x;
         if (j >= items || item >= total) break;
-        const EagerItem it = eager_item(p, item, slot[j]);
-        prefetch_tile(state_head(p, it.slot, it.hv), it.cb, cmin(cw, V - it.cb));
+        prefetch_item(p, item, slot[j], cw);
     }
 #endif
 }
@@ -1317,148 +1332,19 @@ constexpr bool EARLY_FITS = 2 * DKE == KL;
 constexpr int VPT = 2;
 static_assert(!EARLY_FITS || WC <= 32, "kda_eager_tile's early path: more than VPT values per gate thread");
 
-// Registers of kda_eager_tile_packed: at most 64, so eight CTAs of 4 warps share an SM.
-#ifndef KDA_EAGER_PACKED_BOUNDS
-#define KDA_EAGER_PACKED_BOUNDS __launch_bounds__(256, 4)
-#endif
-
-// A packed tile: a lane's 2-byte state elements two per 32-bit word, each pair adjacent in
-// memory (K-first: two columns of a row; V-first: two rows of a column), as loaded.
-constexpr bool PACKABLE = sizeof(ST) == 2 && (VFIRST ? RG == 8 : (KF_VEC && TV % 2 == 0));
-constexpr int PW = TK * TV / 2; // words of a lane's packed tile
-__device__ __forceinline__ int pw_of(int r, int c) { return VFIRST ? c * (TK / 2) + r / 2 : r * (TV / 2) + c / 2; }
-// Element (r, c) of a packed tile as f32 (exact; a template, so only 2-byte modules compile it).
-template <typename T = ST>
-__device__ __forceinline__ float unpack_at(const kda_u32 (&w)[PW], int r, int c) {
-    const kda_u32 x = w[pw_of(r, c)];
-    return kda_from_bits<T>((unsigned short)((VFIRST ? (r & 1) : (c & 1)) ? x >> 16 : x & 0xffffu));
-}
-
-// load_tile for a packed tile (PACKABLE): the same loads, kept as loaded.
-__device__ __forceinline__ void load_packed(const ST* head, int lk, int col0, kda_u32 (&w)[PW]) {
-    if constexpr (!VFIRST) {
-#pragma unroll
-        for (int r = 0; r < TK; ++r) {
-            const int kr = row_of(lk, r);
-            uint2 x = make_uint2(0u, 0u);
-            if (kr < K && col0 < V) x = *reinterpret_cast<const uint2*>(head + (size_t)kr * V + col0);
-            w[pw_of(r, 0)] = x.x;
-            w[pw_of(r, 2)] = x.y;
-        }
-    } else {
-#pragma unroll
-        for (int c = 0; c < TV; ++c) {
-            const int col = col0 + c;
-#pragma unroll
-            for (int j = 0; j < NG; ++j) {
-                const int k0 = (j * LK + lk) * RG;
-                uint4 x = make_uint4(0u, 0u, 0u, 0u);
-                if (col < V && k0 < K) x = *reinterpret_cast<const uint4*>(head + (size_t)col * K + k0);
-                w[pw_of(j * RG + 0, c)] = x.x;
-                w[pw_of(j * RG + 2, c)] = x.y;
-                w[pw_of(j * RG + 4, c)] = x.z;
-                w[pw_of(j * RG + 6, c)] = x.w;
-            }
-        }
-    }
-}
-
-// store_tile for a packed tile (already rounded): the same stores.
-__device__ __forceinline__ void store_packed(ST* head, int lk, int col0, const kda_u32 (&w)[PW]) {
-    if constexpr (!VFIRST) {
-#pragma unroll
-        for (int r = 0; r < TK; ++r) {
-            const int kr = row_of(lk, r);
-            if (kr < K && col0 < V)
-                *reinterpret_cast<uint2*>(head + (size_t)kr * V + col0) = make_uint2(w[pw_of(r, 0)], w[pw_of(r, 2)]);
-        }
-    } else {
-#pragma unroll
-        for (int c = 0; c < TV; ++c) {
-            const int col = col0 + c;
-#pragma unroll
-            for (int j = 0; j < NG; ++j) {
-                const int k0 = (j * LK + lk) * RG;
-                if (col < V && k0 < K)
-                    *reinterpret_cast<uint4*>(head + (size_t)col * K + k0) =
-                        make_uint4(w[pw_of(j * RG + 0, c)], w[pw_of(j * RG + 2, c)], w[pw_of(j * RG + 4, c)],
-                                   w[pw_of(j * RG + 6, c)]);
-            }
-        }
-    }
-}
-
-// token_step (a new token) on a packed tile, nearest rounding. It holds no f32 tile: the
-// decayed rows d S are computed again in the second pass, with the same bits, and the new tile
-// is rounded into the packed words as it is computed. `o` is left as the lane's part of the
-// read-out (reduce_k gives the read-out), so the tile's words can be stored before the
-// reduction and need not stay live across it.
-// (A template, so only PACKABLE modules compile it.)
-template <bool P = PACKABLE>
-__device__ __forceinline__ void packed_step(kda_u32 (&w)[PW], const float* k, const float* d, const float* q,
-                                            const float* vp, int vlim, float bt, int lk, float (&o)[TV]) {
-    static_assert(P, "packed tiles: 2-byte tiles that PACKABLE allows");
-    float acc[TV];
-#pragma unroll
-    for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < TK; ++r) {
-        const int kr = row_of(lk, r);
-        const float kv = k[kr], dv = d[kr];
-#pragma unroll
-        for (int c = 0; c < TV; ++c) acc[c] = fmaf(kv, unpack_at(w, r, c) * dv, acc[c]);
-    }
-    reduce_k(acc);
-    // the words look new to the compiler, so it computes d S again instead of keeping the
-    // first pass's products (an f32 tile in registers)
-#pragma unroll
-    for (int i = 0; i < PW; ++i) KDA_OPAQUE(w[i]);
-    float u[TV];
-#pragma unroll
-    for (int c = 0; c < TV; ++c) {
-        const float vv = c < vlim ? vp[c] : 0.0f;
-        u[c] = bt * (vv - acc[c]);
-        o[c] = 0.0f;
-    }
-    // rows in pairs, so a V-first word (two rows of a column) is complete when it is rounded
-#pragma unroll
-    for (int r = 0; r < TK; r += 2) {
-        float n[2][TV];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int kr = row_of(lk, r + i);
-            const float kv = k[kr], dv = d[kr], qv = q[kr];
-#pragma unroll
-            for (int c = 0; c < TV; ++c) {
-                n[i][c] = fmaf(kv, u[c], unpack_at(w, r + i, c) * dv);
-                o[c] = fmaf(qv, n[i][c], o[c]);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-            for (int c = 0; c < TV; c += 2) {
-                // K-first: (r + i, c) and (r + i, c + 1); V-first: (r, c + i) and (r + 1, c + i)
-                if constexpr (VFIRST) {
-                    w[pw_of(r, c + i)] = kda_pack2_rn<ST>(n[0][c + i], n[1][c + i]);
-                } else {
-                    w[pw_of(r + i, c)] = kda_pack2_rn<ST>(n[i][c], n[i][c + 1]);
-                }
-            }
-        }
-    }
-}
-
 // Eager decode, one item per CTA (item = blockIdx.x, the grid covers the items): the state
-// tile goes straight from global memory into registers, with no pipeline and no stage in
-// shared memory; many CTAs per SM keep the loads in flight instead. The token's inputs are
-// loaded first: they do not depend on the slot, so their loads overlap the slot's, and the
-// activations run while the tile's loads are in flight (with 4 warps or more: warp 0 the key,
-// warp 1 the query, the other warps' threads the gates, values and beta, each role's loads in
-// the same registers; with fewer warps they are loaded after the tile, split as in eager_run).
-// The same functions as eager_run and kda_step, so the same bits.
-template <bool PACKED>
+// tile goes from global memory into registers with no pipeline; many CTAs per SM keep the loads
+// in flight instead. STAGED: the tile comes in through shared memory (cp.async of whole 16-byte
+// chunks into the pipelined kernel's stage layout, so a warp's copies fetch whole tile rows),
+// else straight into registers. The token's inputs are loaded first: they do not depend on the
+// slot, so their loads overlap the slot's, and the activations run while the tile's loads are
+// in flight (with 4 warps or more: warp 0 the key, warp 1 the query, the other warps' threads
+// the gates, values and beta, each role's loads in the same registers; with fewer warps they
+// are loaded after the tile and split as in eager_run, by eager_activate). The same functions
+// as eager_run and kda_step, so the same bits.
+template <bool STAGED>
 __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
+    extern __shared__ __align__(16) unsigned char eager_dsm[];
     __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
     __shared__ float abeta;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -1466,10 +1352,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int cw = nwarps * WC;
     const kda_u32 item = blockIdx.x;
 #if KDA_GRID_DEPENDENCY
-    if (p.early != 0u) {
-        const EagerItem e = eager_item(p, item, early_slot(p, eager_seq(p, item)));
-        prefetch_tile(state_head(p, e.slot, e.hv), e.cb, cmin(cw, V - e.cb));
-    }
+    if (p.early != 0u) prefetch_item(p, item, early_slot(p, eager_seq(p, item)), cw);
 #endif
     KDA_DEPENDENT_LAUNCH();
     if (item == 0 && threadIdx.x == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
@@ -1514,10 +1397,10 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
     ST* head = state_head(p, slot, hv);
     const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
-    float s[PACKED ? 1 : TK][TV];
-    kda_u32 w[PACKED ? PW : 1];
-    if constexpr (PACKED) {
-        load_packed(head, lk, col0l < cwv ? col0 : V, w);
+    float s[TK][TV];
+    if constexpr (STAGED) {
+        tile_issue(eager_dsm, head, it.cb, cw, cwv);
+        cp_async_commit();
     } else {
         load_tile(head, lk, col0l < cwv ? col0 : V, s);
     }
@@ -1542,44 +1425,28 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
             if (tid == 0) abeta = act_beta(braw, p);
         }
     } else {
-        if (warp == 0) act_row(kp, ak, l2, false, p.scale, lane);
-        if (warp == (nwarps > 1 ? 1 : 0)) act_row(qp, aq, l2, true, p.scale, lane);
-        const int d0 = nwarps > 2 ? 64 : 0, ln = (int)blockDim.x - d0, t = (int)threadIdx.x - d0;
-        if (t >= 0) {
-            const float a_exp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
-            for (int kk = t; kk < K; kk += ln) ad[kk] = decay_of(gp, bias, kk, p, a_exp);
-            for (int c = t; c < cwv; c += ln) av[c] = kda_load(vp[c]);
-            if (t == 0) abeta = act_beta(kda_load(*bp), p);
-        }
+        eager_activate(p, kp, qp, gp, bias, vp, cwv, kda_load(*bp),
+                       p.gate_mode ? reinterpret_cast<const float*>(p.a_log)[hv] : 0.0f, ak, aq, ad, av, &abeta);
     }
+    if constexpr (STAGED) cp_async_wait<0>();
     __syncthreads();
+    if constexpr (STAGED) tile_from_stage(reinterpret_cast<const ST*>(eager_dsm), lk, col0l, cwv, cw, s);
     float o[TV];
-    if constexpr (PACKED) {
-        packed_step(w, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, o);
-        store_packed(head, lk, col0l < cwv ? col0 : V, w);
-        reduce_k(o);
-    } else {
-        token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
-    }
+    token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
     if (col0l >= cwv) return;
     if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
-    if constexpr (!PACKED) {
-        const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
-        if (p.sr) {
-            const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
-        } else {
-            store_tile<false>(head, lk, col0, s, 0u, elem0);
-        }
+    const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+    if (p.sr) {
+        const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+        store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
+    } else {
+        store_tile<false>(head, lk, col0, s, 0u, elem0);
     }
 }
 
 extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile(const KdaParams p) { eager_tile_run<false>(p); }
 
-// kda_eager_tile with a 2-byte tile held two elements per register (PACKABLE; elsewhere the
-// same kernel): half the registers for the state, so more CTAs per SM and more of their tile
-// loads in flight. The same arithmetic in the same order, so the same bits. Nearest rounding
-// only: the backend runs kda_eager_tile for stochastic-rounding pools.
-extern "C" __global__ void KDA_EAGER_PACKED_BOUNDS kda_eager_tile_packed(const KdaParams p) {
-    eager_tile_run<PACKABLE>(p);
+// kda_eager_tile with its tile copied in through shared memory (dynamic: K x the CTA's columns).
+extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_staged(const KdaParams p) {
+    eager_tile_run<true>(p);
 }

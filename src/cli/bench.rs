@@ -630,17 +630,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let us = b.time(&mut s, kind, None)?;
                                 row(&mut b, "decode", us)?;
                                 // each eager kernel, same run (before/after)
-                                // (the packed tile kernel only where it differs: 2-byte pools)
-                                let packs = state != Dtype::Fp32;
                                 for (op, k) in [
                                     ("decode-piped", EagerKernel::Pipelined),
                                     ("decode-tile", EagerKernel::Tile),
-                                    ("decode-packed", EagerKernel::PackedTile),
+                                    ("decode-staged", EagerKernel::StagedTile),
                                     ("decode-blocked", EagerKernel::Step),
                                 ] {
-                                    if k == EagerKernel::PackedTile && !packs {
-                                        continue;
-                                    }
                                     be.set_eager_kernel(Some(k)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;
                                     row(&mut b, op, us)?;
@@ -650,13 +645,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     be.set_eager_warps(Some(w)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;
                                     row(&mut b, &format!("decode-w{w}"), us)?;
-                                    if packs {
-                                        be.set_eager_kernel(Some(EagerKernel::PackedTile))
-                                            .map_err(kerr)?;
-                                        let us = b.time(&mut s, kind, None)?;
-                                        row(&mut b, &format!("decode-packed-w{w}"), us)?;
-                                        be.set_eager_kernel(None).map_err(kerr)?;
-                                    }
+                                    be.set_eager_kernel(Some(EagerKernel::StagedTile))
+                                        .map_err(kerr)?;
+                                    let us = b.time(&mut s, kind, None)?;
+                                    row(&mut b, &format!("decode-staged-w{w}"), us)?;
+                                    be.set_eager_kernel(None).map_err(kerr)?;
                                 }
                                 be.set_eager_warps(None).map_err(kerr)?;
                                 for &st in &stages {

@@ -10,10 +10,10 @@ pub enum EagerKernel {
     /// One item per CTA, its state tile straight into registers and its token's inputs loaded
     /// first (`kda_eager_tile`), where the shape allows the pipelined kernel.
     Tile,
-    /// `kda_eager_tile_packed`: the tile kernel with a 2-byte state tile held two elements per
-    /// register, so more CTAs share an SM; same bits. Nearest-rounding 2-byte pools only
-    /// (elsewhere [`EagerKernel::Tile`] runs).
-    PackedTile,
+    /// `kda_eager_tile_staged`: the tile kernel with its state tile copied in through shared
+    /// memory in whole 16-byte chunks (so a warp fetches whole tile rows), written back from
+    /// registers; same bits.
+    StagedTile,
     /// The general kernel of every operation, one item per CTA (`kda_step`).
     Step,
 }

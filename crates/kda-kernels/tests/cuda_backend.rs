@@ -299,22 +299,21 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
     }
 }
 
-/// Runs `steps` eager decode steps of `case` with each of the pipelined kernel,
-/// `kda_eager_tile` and (2-byte pools) `kda_eager_tile_packed` on one layer and the general
-/// kernel (`kda_step`) on its twin, from the same states and inputs; asserts equal bits of
-/// outputs and states after every step.
+/// Runs `steps` eager decode steps of `case` with each of the pipelined kernel and the tile
+/// kernels (`kda_eager_tile`, `kda_eager_tile_staged`) on one layer and the general kernel
+/// (`kda_step`) on its twin, from the same states and inputs; asserts equal bits of outputs and
+/// states after every step.
 fn check_fast_eager_kernels_match_the_general_one(
     cu: &CudaBackend,
     case: &Case,
     steps: usize,
     seed: u64,
 ) {
-    let mut kernels = vec![EagerKernel::Pipelined, EagerKernel::Tile];
-    if case.state_dtype != Dtype::Fp32 {
-        // stochastic rounding: the plan runs kda_eager_tile instead
-        kernels.push(EagerKernel::PackedTile);
-    }
-    for kernel in kernels {
+    for kernel in [
+        EagerKernel::Pipelined,
+        EagerKernel::Tile,
+        EagerKernel::StagedTile,
+    ] {
         let mut rng = StdRng::seed_from_u64(seed);
         let (mut fast, mut general) = twin_layers(cu, case, case, &mut rng);
         let n = case.slots.len();

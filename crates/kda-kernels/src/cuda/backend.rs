@@ -25,7 +25,7 @@ use super::params::{
     FastDiv, KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT,
 };
 use super::registry::{
-    eager_kernel, eager_tile_kernel, ring_kernel, step_kernel, warm_up, StepKey,
+    eager_kernel, eager_tile_kernel, ring_kernel, step_kernel, warm_up, StepKey, TileMove,
 };
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
@@ -162,8 +162,6 @@ struct EagerShape {
     num_sms: usize,
     /// The kernel asked for (`None`: the plan's choice).
     kernel: Option<EagerKernel>,
-    /// Whether the pool rounds stochastically (`kda_eager_tile_packed` rounds to nearest only).
-    stochastic: bool,
 }
 
 /// Value heads of a call from which a 2-byte K-first pool decodes a whole head per CTA
@@ -186,15 +184,19 @@ struct EagerPlan {
     stage_store: bool,
     /// Whether `kda_eager_tile` runs the items instead (one per CTA).
     tile: bool,
-    /// Whether that tile kernel is `kda_eager_tile_packed` (2-byte tiles two elements per
-    /// register; only with `tile`).
-    packed: bool,
+    /// How that tile kernel moves its tile (only with `tile`).
+    tile_move: TileMove,
 }
 
 /// Items per SM up to which a 2-byte K-first pool decodes with `kda_eager_tile` (H200 sweep,
 /// docs/performance.md, thirteenth session: up to 11% faster up to about 4 items per SM,
 /// 1-14% slower from about 8).
 const TILE_2_BYTE_K_FIRST_ITEMS_PER_SM: usize = 4;
+
+/// Items per SM up to which a 2-byte K-first pool's `kda_eager_tile` copies its tile in
+/// through shared memory (`kda_eager_tile_staged`; H200, docs/performance.md, fourteenth
+/// session: 4-9% faster at 24 to 192 items, 5% slower at 512).
+const STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM: usize = 2;
 
 /// Bytes of a tile row from which a 2-byte K-first pool writes its updated tile back through
 /// the stage (8 warps at V = 128). H200 A/B (docs/performance.md, sixth session): 5-11% faster
@@ -258,17 +260,23 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     // load fetches 64-byte row or 128-byte column pieces); 2-byte K-first pools (32-byte row
     // pieces) only while a CTA of the pipelined kernel would have little to overlap.
     let tile = match e.kernel {
-        Some(EagerKernel::Tile | EagerKernel::PackedTile) => true,
+        Some(EagerKernel::Tile | EagerKernel::StagedTile) => true,
         _ => {
             !pipelined
                 && warps >= 4
                 && (!two_byte_kf || items <= TILE_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms)
         }
     };
-    // 2-byte tiles two elements per register (any 2-byte tile that fits the pipelined kernel's
-    // 16-byte copies packs: whole 4-column K-first rows, whole 8-row V-first groups)
-    let packed =
-        tile && e.kernel == Some(EagerKernel::PackedTile) && e.state_size == 2 && !e.stochastic;
+    // the tile in through shared memory (whole rows per warp copy): asked for, or small 2-byte
+    // K-first calls by default, where it measured faster (docs/performance.md, fourteenth
+    // session: 4-9% at 24-192 items, 5% slower at 512)
+    let tile_move = match e.kernel {
+        Some(EagerKernel::StagedTile) => TileMove::Staged,
+        None if tile && two_byte_kf && items <= STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms => {
+            TileMove::Staged
+        }
+        _ => TileMove::Direct,
+    };
     [stages, 2]
         .into_iter()
         .find(|&st| st * stage + static_smem <= e.smem_optin)
@@ -276,10 +284,14 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             warps,
             vblocks: wph.div_ceil(warps),
             stages,
-            smem: if tile { 0 } else { stages * stage },
+            smem: match (tile, tile_move) {
+                (false, _) => stages * stage,
+                (true, TileMove::Direct) => 0,
+                (true, TileMove::Staged) => r16(e.k * cw * e.state_size),
+            },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
             tile,
-            packed,
+            tile_move,
         })
 }
 
@@ -454,8 +466,9 @@ impl CudaBackend {
 
     /// Chooses the eager-decode kernel ([`EagerKernel`]); `None` (the default) picks per call,
     /// wherever the shape allows the pipelined kernel (else `kda_step`): `kda_eager_tile` for
-    /// fp32 and 2-byte V-first pools and for small 2-byte K-first calls, the pipelined kernel
-    /// for big 2-byte K-first calls (`eager_plan`).
+    /// fp32 and 2-byte V-first pools and for small 2-byte K-first calls (the smallest with
+    /// `kda_eager_tile_staged`), the pipelined kernel for big 2-byte K-first calls
+    /// (`eager_plan`).
     pub fn set_eager_kernel(&self, kernel: Option<EagerKernel>) -> Result<()> {
         *self.eager_kernel.lock() = kernel;
         Ok(())
@@ -601,6 +614,15 @@ impl CudaBackend {
         Ok(plan.slots.iter().map(|&s| all[s as usize]).collect())
     }
 
+    /// Opts a kernel in to `smem` bytes of dynamic shared memory.
+    fn opt_in_smem(f: &CudaFunction, name: &str, smem: usize) -> Result<()> {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| device_err(&format!("{name} shared memory"), e))
+    }
+
     /// Opts a persistent kernel in to `smem` bytes of dynamic shared memory and returns its grid:
     /// the CTAs of `threads` threads that fit on all multiprocessors at once.
     fn persistent_grid(
@@ -610,11 +632,7 @@ impl CudaBackend {
         threads: usize,
         smem: usize,
     ) -> Result<usize> {
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| device_err(&format!("{name} shared memory"), e))?;
+        Self::opt_in_smem(f, name, smem)?;
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
             .map_err(|e| device_err(&format!("{name} occupancy"), e))?
@@ -749,7 +767,6 @@ impl CudaBackend {
                 v_first: g.layout == StateLayout::VFirst,
                 num_sms: self.num_sms as usize,
                 kernel: eager_choice,
-                stochastic: sr == 1,
             })
         } else {
             None
@@ -773,8 +790,9 @@ impl CudaBackend {
         };
         let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
             (Some(pl), _) if pl.tile => {
-                let (f, name) = eager_tile_kernel(&self.ctx, key, pl.packed)?;
-                (f, name, 0, None)
+                let (f, name) = eager_tile_kernel(&self.ctx, key, pl.tile_move)?;
+                Self::opt_in_smem(&f, name, pl.smem)?;
+                (f, name, pl.smem, None)
             }
             (Some(pl), _) => {
                 let (f, name) = eager_kernel(&self.ctx, key, pl.stage_store)?;
@@ -1131,7 +1149,6 @@ mod tests {
             v_first,
             num_sms: 132,
             kernel: None,
-            stochastic: false,
         }
     }
 
@@ -1180,6 +1197,7 @@ mod tests {
         ] {
             let p = tile(&shape(size, heads, v_first));
             assert!(p.tile, "{size}-byte, {heads} heads, V-first {v_first}");
+            assert_eq!(p.tile_move, TileMove::Direct);
             assert_eq!(p.smem, 0, "no stages for the tile kernel");
         }
         // fp32 with fewer 4-warp CTAs than SMs (N = 1): 4 warps, the tile kernel
@@ -1188,9 +1206,24 @@ mod tests {
         let mut e = shape(4, 3072, false);
         e.fixed_warps = Some(2);
         assert!(!tile(&e).tile);
-        // 2-byte K-first: up to 4 items per SM (528 items of 2 column blocks: 264 heads)
-        assert!(tile(&shape(2, 12, false)).tile);
-        assert!(tile(&shape(2, 264, false)).tile);
+        // 2-byte K-first: up to 4 items per SM (528 items of 2 column blocks: 264 heads), the
+        // tile in through shared memory up to 2 per SM (132 heads)
+        for (heads, mv) in [
+            (12, TileMove::Staged),
+            (132, TileMove::Staged),
+            (133, TileMove::Direct),
+            (264, TileMove::Direct),
+        ] {
+            let p = tile(&shape(2, heads, false));
+            assert!(p.tile, "{heads} heads");
+            assert_eq!(p.tile_move, mv, "{heads} heads");
+            let smem = if mv == TileMove::Staged {
+                128 * 64 * 2
+            } else {
+                0
+            };
+            assert_eq!(p.smem, smem, "{heads} heads");
+        }
         let p = tile(&shape(2, 265, false));
         assert!(!p.tile);
         assert!(p.smem > 0);
@@ -1208,22 +1241,27 @@ mod tests {
     }
 
     #[test]
-    fn eager_plan_packs_only_nearest_rounding_2_byte_tiles_when_asked() {
-        let packed = |size: usize, v_first: bool, stochastic: bool, kernel: Option<EagerKernel>| {
-            let mut e = shape(size, 768, v_first);
-            e.stochastic = stochastic;
-            e.kernel = kernel;
-            let p = eager_plan(&e).expect("plan");
-            assert!(!p.packed || p.tile, "packed implies the tile kernel");
-            p.packed
-        };
-        for v_first in [false, true] {
-            assert!(packed(2, v_first, false, Some(EagerKernel::PackedTile)));
-            // fp32 and stochastic rounding: the plain tile kernel
-            assert!(!packed(4, v_first, false, Some(EagerKernel::PackedTile)));
-            assert!(!packed(2, v_first, true, Some(EagerKernel::PackedTile)));
-            for kernel in [None, Some(EagerKernel::Tile), Some(EagerKernel::Pipelined)] {
-                assert!(!packed(2, v_first, false, kernel), "{kernel:?}");
+    fn eager_plan_stages_the_tile_of_big_calls_only_when_asked() {
+        for (kernel, mv) in [
+            (None, TileMove::Direct),
+            (Some(EagerKernel::Tile), TileMove::Direct),
+            (Some(EagerKernel::StagedTile), TileMove::Staged),
+        ] {
+            for (size, v_first) in [(2, false), (2, true), (4, false)] {
+                let mut e = shape(size, 768, v_first);
+                e.kernel = kernel;
+                let p = eager_plan(&e).expect("plan");
+                assert_eq!(p.tile_move, mv, "{kernel:?}");
+                if kernel.is_some() {
+                    assert!(p.tile, "{kernel:?}");
+                    // a staged tile: K x the CTA's columns in dynamic shared memory
+                    let smem = if mv == TileMove::Direct {
+                        0
+                    } else {
+                        128 * p.warps * 16 * size
+                    };
+                    assert_eq!(p.smem, smem, "{kernel:?} {size}-byte");
+                }
             }
         }
     }

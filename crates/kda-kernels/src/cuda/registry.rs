@@ -52,7 +52,7 @@ enum Key {
     Eager(StepKey),
     EagerStage(StepKey),
     EagerTile(StepKey),
-    EagerTilePacked(StepKey),
+    EagerTileStaged(StepKey),
     Ring(StepKey),
     Fill,
     Copy,
@@ -66,7 +66,7 @@ impl Key {
             Key::Eager(_) => "kda_eager",
             Key::EagerStage(_) => "kda_eager_stage",
             Key::EagerTile(_) => "kda_eager_tile",
-            Key::EagerTilePacked(_) => "kda_eager_tile_packed",
+            Key::EagerTileStaged(_) => "kda_eager_tile_staged",
             Key::Ring(_) => "kda_ring",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
@@ -80,7 +80,7 @@ impl Key {
             | Key::Eager(k)
             | Key::EagerStage(k)
             | Key::EagerTile(k)
-            | Key::EagerTilePacked(k)
+            | Key::EagerTileStaged(k)
             | Key::Ring(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
@@ -102,7 +102,7 @@ fn step_module(k: StepKey) -> [Key; 6] {
         Key::Eager(k),
         Key::EagerStage(k),
         Key::EagerTile(k),
-        Key::EagerTilePacked(k),
+        Key::EagerTileStaged(k),
         Key::Ring(k),
     ]
 }
@@ -297,18 +297,25 @@ pub(crate) fn eager_kernel(
     Ok((get(ctx, key)?, key.entry()))
 }
 
-/// The one-item-per-CTA eager-decode kernel specialised on `key` (same module as
-/// `kda_step`), compiled on first use, and its name: `kda_eager_tile_packed` (the 2-byte tile
-/// two elements per register) where `packed`, else `kda_eager_tile`.
+/// How a one-item-per-CTA eager kernel moves its state tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TileMove {
+    /// Between global memory and registers (`kda_eager_tile`).
+    Direct,
+    /// In through shared memory, out from registers (`kda_eager_tile_staged`).
+    Staged,
+}
+
+/// The one-item-per-CTA eager-decode kernel that moves its tile as `mv`, specialised on
+/// `key` (same module as `kda_step`), compiled on first use, and its name.
 pub(crate) fn eager_tile_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
-    packed: bool,
+    mv: TileMove,
 ) -> Result<(CudaFunction, &'static str)> {
-    let key = if packed {
-        Key::EagerTilePacked(key)
-    } else {
-        Key::EagerTile(key)
+    let key = match mv {
+        TileMove::Direct => Key::EagerTile(key),
+        TileMove::Staged => Key::EagerTileStaged(key),
     };
     Ok((get(ctx, key)?, key.entry()))
 }
@@ -383,7 +390,7 @@ mod tests {
                 "kda_eager",
                 "kda_eager_stage",
                 "kda_eager_tile",
-                "kda_eager_tile_packed",
+                "kda_eager_tile_staged",
                 "kda_ring"
             ]
         );
