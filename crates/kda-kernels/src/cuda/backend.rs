@@ -165,9 +165,10 @@ struct EagerShape {
 }
 
 /// Value heads of a call from which a 2-byte K-first pool decodes a whole head per CTA
-/// (8 warps at V = 128), so its tile is one contiguous block (H200 sweep, docs/performance.md:
-/// 4-7% faster from 2048 heads, within 2% slower below).
-const WHOLE_HEAD_FROM: usize = 2048;
+/// (8 warps at V = 128), so its tile is one contiguous block (H200 sweeps, docs/performance.md:
+/// 5-12% faster from 1536 heads; 0.2-1% slower at 1280-1344, up to 5% below; fourteenth
+/// session).
+const WHOLE_HEAD_FROM: usize = 1536;
 
 /// A launch of an eager kernel: the pipelined one, or `kda_eager_tile` (`tile`), which uses
 /// the same items (warps, column blocks) one per CTA and no dynamic shared memory.
@@ -1172,11 +1173,13 @@ mod tests {
         assert_eq!(plan(&shape(4, 527, false)), (4, 2, 2));
         assert_eq!(plan(&shape(4, 384, true)), (4, 2, 2));
         assert_eq!(plan(&shape(4, 2048, true)), (4, 2, 3));
-        // 2-byte K-first: 3 stages; whole heads (8 warps) from 2048 heads
+        // 2-byte K-first: 3 stages; whole heads (8 warps) from 1536 heads
         assert_eq!(plan(&shape(2, 768, false)), (4, 2, 3));
         // 2-byte K-first with fewer 4-warp CTAs than SMs (N = 1): 2 stages
         assert_eq!(plan(&shape(2, 12, false)), (4, 2, 2));
         assert_eq!(plan(&shape(2, 2048, false)), (8, 1, 3));
+        assert_eq!(plan(&shape(2, 1536, false)), (8, 1, 3));
+        assert_eq!(plan(&shape(2, 1535, false)), (4, 2, 3));
         // 2-byte V-first: 4 warps; 3 stages (4 CTAs per SM, 528 CTAs) from 2112 items
         assert_eq!(plan(&shape(2, 768, true)), (4, 2, 2));
         assert_eq!(plan(&shape(2, 1056, true)), (4, 2, 3));
