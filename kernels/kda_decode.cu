@@ -2,8 +2,9 @@
 // ring"; spec section 2 for the token step). One kernel for every operation, kda_step,
 // templated through macros on the state element (KDA_ST), the input/ring/output element
 // (KDA_IT), the layout (KDA_VFIRST) and the head dims (KDA_K, KDA_V); f32 arithmetic with f32
-// accumulation. Eager decode can also run kda_eager (the pipelined kernel at the end of this
-// file), which steps tokens through the same functions.
+// accumulation. Eager decode can also run kda_eager / kda_eager_stage (the pipelined kernel
+// further down) or kda_eager_tile / kda_eager_tile_staged (one item per CTA, at the end of this
+// file), which step tokens through the same functions.
 //
 // Work split. A CTA handles one sequence and one "unit" of heads, and a block of value columns:
 // - eager decode (ring_len == 0): a unit is one value head and the CTAs of a head split V;
@@ -1216,8 +1217,7 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
         const float beta_raw = beta_from_word<IT>(*reinterpret_cast<const kda_u32*>(st + L.scal), me.beta_off);
         const float a_log = *reinterpret_cast<const float*>(st + L.scal + 4);
 
-        // activations of the item's token: warp 0 the key, warp 1 the query (both l2norms in
-        // parallel), the threads of the other warps the decays, values and beta
+        // activations of the item's token, from the stage
         const int cwv = cmin(cw, V - me.cb);
         eager_activate(p, reinterpret_cast<const IT*>(st + L.k), reinterpret_cast<const IT*>(st + L.q),
                        reinterpret_cast<const IT*>(st + L.g), reinterpret_cast<const float*>(st + L.bias),

@@ -58,7 +58,8 @@ pub struct Args {
     /// Timed graph replays per case (32: four cycles of a ring of 8).
     #[arg(long, default_value_t = 32)]
     pub replays: usize,
-    /// Also time eager decode with these warps per CTA (comma-separated, 1..=8; tuning).
+    /// Also time eager decode with these warps per CTA, with the default kernel choice and with
+    /// the staged tile kernel (comma-separated, 1..=8; tuning).
     #[arg(long)]
     pub warps: Option<String>,
     /// Also time eager decode with these pipeline stages of the pipelined kernel, for each of

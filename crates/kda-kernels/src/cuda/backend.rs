@@ -170,15 +170,16 @@ struct EagerShape {
 /// session).
 const WHOLE_HEAD_FROM: usize = 1536;
 
-/// A launch of an eager kernel: the pipelined one, or `kda_eager_tile` (`tile`), which uses
-/// the same items (warps, column blocks) one per CTA and no dynamic shared memory.
+/// A launch of an eager kernel: the pipelined one, or a tile kernel (`tile`: `kda_eager_tile`
+/// or `kda_eager_tile_staged`), which runs the same items (warps, column blocks) one per CTA.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct EagerPlan {
     warps: usize,
     vblocks: usize,
     /// Pipeline stages (2 or 3).
     stages: usize,
-    /// Dynamic shared memory (all stages), bytes.
+    /// Dynamic shared memory, bytes: the pipelined kernel's stages, a staged tile kernel's tile
+    /// (K x its columns), none for `kda_eager_tile`.
     smem: usize,
     /// Whether the updated tile goes back out through its stage (written there, then copied
     /// out in whole 16-byte chunks: `kda_eager_stage`) rather than from registers (`kda_eager`).
