@@ -1332,6 +1332,57 @@ constexpr bool EARLY_FITS = 2 * DKE == KL;
 constexpr int VPT = 2;
 static_assert(!EARLY_FITS || WC <= 32, "kda_eager_tile's early path: more than VPT values per gate thread");
 
+// A 2-byte tile as loaded: kda_eager_tile keeps the words of its vector loads and converts them
+// to f32 only after its barrier, so no conversion waits for the tile before the activations
+// (the compiler puts a load's conversions right after it). Each word holds two elements that
+// are adjacent in memory: K-first, two columns of a row; V-first, two rows of a column.
+constexpr bool TILE_WORDS = sizeof(ST) == 2 && (VFIRST ? RG == 8 : (KF_VEC && TV % 2 == 0));
+constexpr int TW = TILE_WORDS ? TK * TV / 2 : 1; // words of a lane's tile
+__device__ __forceinline__ int tw_of(int r, int c) { return VFIRST ? c * (TK / 2) + r / 2 : r * (TV / 2) + c / 2; }
+
+// load_tile's loads (TILE_WORDS), their words kept.
+__device__ __forceinline__ void load_tile_words(const ST* head, int lk, int col0, kda_u32 (&w)[TW]) {
+    if constexpr (!VFIRST) {
+#pragma unroll
+        for (int r = 0; r < TK; ++r) {
+            const int kr = row_of(lk, r);
+            uint2 x = make_uint2(0u, 0u);
+            if (kr < K && col0 < V) x = *reinterpret_cast<const uint2*>(head + (size_t)kr * V + col0);
+            w[tw_of(r, 0)] = x.x;
+            w[tw_of(r, 2)] = x.y;
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) {
+            const int col = col0 + c;
+#pragma unroll
+            for (int j = 0; j < NG; ++j) {
+                const int k0 = (j * LK + lk) * RG;
+                uint4 x = make_uint4(0u, 0u, 0u, 0u);
+                if (col < V && k0 < K) x = *reinterpret_cast<const uint4*>(head + (size_t)col * K + k0);
+                w[tw_of(j * RG + 0, c)] = x.x;
+                w[tw_of(j * RG + 2, c)] = x.y;
+                w[tw_of(j * RG + 4, c)] = x.z;
+                w[tw_of(j * RG + 6, c)] = x.w;
+            }
+        }
+    }
+}
+
+// The f32 tile from load_tile_words's words (exact; a template, so only 2-byte modules compile
+// the conversions).
+template <typename T = ST>
+__device__ __forceinline__ void tile_from_words(const kda_u32 (&w)[TW], float (&s)[TK][TV]) {
+#pragma unroll
+    for (int r = 0; r < TK; ++r) {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) {
+            const kda_u32 x = w[tw_of(r, c)];
+            s[r][c] = kda_from_bits<T>((unsigned short)((VFIRST ? (r & 1) : (c & 1)) ? x >> 16 : x & 0xffffu));
+        }
+    }
+}
+
 // Eager decode, one item per CTA (item = blockIdx.x, the grid covers the items): the state
 // tile goes from global memory into registers with no pipeline; many CTAs per SM keep the loads
 // in flight instead. STAGED: the tile comes in through shared memory (cp.async of whole 16-byte
@@ -1398,9 +1449,12 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     ST* head = state_head(p, slot, hv);
     const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
     float s[TK][TV];
+    kda_u32 w[TW];
     if constexpr (STAGED) {
         tile_issue(eager_dsm, head, it.cb, cw, cwv);
         cp_async_commit();
+    } else if constexpr (TILE_WORDS) {
+        load_tile_words(head, lk, col0l < cwv ? col0 : V, w);
     } else {
         load_tile(head, lk, col0l < cwv ? col0 : V, s);
     }
@@ -1430,7 +1484,11 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     }
     if constexpr (STAGED) cp_async_wait<0>();
     __syncthreads();
-    if constexpr (STAGED) tile_from_stage(reinterpret_cast<const ST*>(eager_dsm), lk, col0l, cwv, cw, s);
+    if constexpr (STAGED) {
+        tile_from_stage(reinterpret_cast<const ST*>(eager_dsm), lk, col0l, cwv, cw, s);
+    } else if constexpr (TILE_WORDS) {
+        tile_from_words(w, s);
+    }
     float o[TV];
     token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
     if (col0l >= cwv) return;
