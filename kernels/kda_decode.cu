@@ -1332,6 +1332,24 @@ constexpr bool EARLY_FITS = 2 * DKE == KL;
 constexpr int VPT = 2;
 static_assert(!EARLY_FITS || WC <= 32, "kda_eager_tile's early path: more than VPT values per gate thread");
 
+// The bits of the input element at p (2-byte inputs in the low half), and the element as f32
+// from them (exact, as kda_load): for loads whose conversion should not follow them at once.
+// (Templates, so only modules of 2-byte inputs compile the 2-byte conversion.)
+template <typename T = IT> __device__ __forceinline__ kda_u32 input_bits(const T* p) {
+    if constexpr (sizeof(T) == 4) {
+        return *reinterpret_cast<const kda_u32*>(p);
+    } else {
+        return *reinterpret_cast<const unsigned short*>(p);
+    }
+}
+template <typename T = IT> __device__ __forceinline__ float input_from_bits(kda_u32 b) {
+    if constexpr (sizeof(T) == 4) {
+        return __uint_as_float(b);
+    } else {
+        return kda_from_bits<T>((unsigned short)b);
+    }
+}
+
 // A 2-byte tile as loaded: kda_eager_tile keeps the words of its vector loads and converts them
 // to f32 only after its barrier, so no conversion waits for the tile before the activations
 // (the compiler puts a load's conversions right after it). Each word holds two elements that
@@ -1421,26 +1439,33 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
 
     const bool early = EARLY_FITS && nwarps >= 4;
     const int tid = (int)threadIdx.x - 64, dn = (int)blockDim.x - 64; // the gate threads
-    float x[KL];                 // warp 0: key, warp 1: query, gate threads: raw gates, biases
-    float vr[VPT], braw = 0.0f, alog = 0.0f;
+    // The loads' bits, converted to f32 only after the tile's loads are issued: a conversion
+    // right after its load (where the compiler puts it) would make the warp wait for the inputs
+    // before it even loads the slot.
+    kda_u32 x[KL];               // warp 0: key, warp 1: query, gate threads: raw gates, biases
+    kda_u32 vr[VPT], braw = 0u;
+    float alog = 0.0f;
     if (early) {
-        if (warp == 0) {
-            act_load(kp, lane, x);
-        } else if (warp == 1) {
-            act_load(qp, lane, x);
+        if (warp == 0 || warp == 1) {
+            const IT* src = warp == 0 ? kp : qp;
+#pragma unroll
+            for (int i = 0; i < KL; ++i) {
+                const int kk = lane + 32 * i;
+                x[i] = kk < K ? input_bits(src + kk) : 0u;
+            }
         } else {
 #pragma unroll
             for (int j = 0; j < DKE; ++j) {
                 const int kk = tid + j * dn;
-                x[j] = kk < K ? kda_load(gp[kk]) : 0.0f;
-                x[DKE + j] = kk < K && p.gate_mode != 0u ? bias[kk] : 0.0f;
+                x[j] = kk < K ? input_bits(gp + kk) : 0u;
+                x[DKE + j] = kk < K && p.gate_mode != 0u ? __float_as_uint(bias[kk]) : 0u;
             }
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
                 const int c = tid + j * dn;
-                vr[j] = c < cwv ? kda_load(vp[c]) : 0.0f;
+                vr[j] = c < cwv ? input_bits(vp + c) : 0u;
             }
-            if (tid == 0) braw = kda_load(*bp);
+            if (tid == 0) braw = input_bits(bp);
             if (p.gate_mode != 0u) alog = reinterpret_cast<const float*>(p.a_log)[hv];
         }
     }
@@ -1460,23 +1485,29 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     }
 
     if (early) {
-        if (warp == 0) {
-            act_finish(x, ak, l2, false, p.scale, lane);
-        } else if (warp == 1) {
-            act_finish(x, aq, l2, true, p.scale, lane);
+        if (warp == 0 || warp == 1) {
+            float xf[KL];
+#pragma unroll
+            for (int i = 0; i < KL; ++i) xf[i] = input_from_bits(x[i]);
+            if (warp == 0) {
+                act_finish(xf, ak, l2, false, p.scale, lane);
+            } else {
+                act_finish(xf, aq, l2, true, p.scale, lane);
+            }
         } else {
             const float a_exp = p.gate_mode ? expf(alog) : 0.0f;
 #pragma unroll
             for (int j = 0; j < DKE; ++j) {
                 const int kk = tid + j * dn;
-                if (kk < K) ad[kk] = decay_at(x[j], &x[DKE + j], p, a_exp);
+                const float b = __uint_as_float(x[DKE + j]);
+                if (kk < K) ad[kk] = decay_at(input_from_bits(x[j]), &b, p, a_exp);
             }
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
                 const int c = tid + j * dn;
-                if (c < cwv) av[c] = vr[j];
+                if (c < cwv) av[c] = input_from_bits(vr[j]);
             }
-            if (tid == 0) abeta = act_beta(braw, p);
+            if (tid == 0) abeta = act_beta(input_from_bits(braw), p);
         }
     } else {
         eager_activate(p, kp, qp, gp, bias, vp, cwv, kda_load(*bp),
