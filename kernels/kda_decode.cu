@@ -1354,8 +1354,9 @@ template <typename T = IT> __device__ __forceinline__ float input_from_bits(kda_
 // to f32 only after its barrier, so no conversion waits for the tile before the activations
 // (the compiler puts a load's conversions right after it). Each word holds two elements that
 // are adjacent in memory: K-first, two columns of a row; V-first, two rows of a column.
-constexpr bool TILE_WORDS = sizeof(ST) == 2 && (VFIRST ? RG == 8 : (KF_VEC && TV % 2 == 0));
+constexpr bool TILE_WORDS = sizeof(ST) == 2 && (VFIRST ? RG == 8 : KF_VEC);
 constexpr int TW = TILE_WORDS ? TK * TV / 2 : 1; // words of a lane's tile
+static_assert(!TILE_WORDS || TV == 4, "load_tile_words: a K-first row's TV elements are one 8-byte load");
 __device__ __forceinline__ int tw_of(int r, int c) { return VFIRST ? c * (TK / 2) + r / 2 : r * (TV / 2) + c / 2; }
 
 // load_tile's loads (TILE_WORDS), their words kept.
