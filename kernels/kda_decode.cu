@@ -1360,7 +1360,7 @@ static_assert(!TILE_WORDS || TV == 4, "load_tile_words: a K-first row's TV eleme
 __device__ __forceinline__ int tw_of(int r, int c) { return VFIRST ? c * (TK / 2) + r / 2 : r * (TV / 2) + c / 2; }
 
 // load_tile's loads (TILE_WORDS), their words kept. (Its loops mirror load_tile's: one loop
-// visitor for both measured 0.5-1.7% slower on 2-byte V-first decode, docs/performance.md,
+// visitor for both measured up to 1.7% slower on 2-byte V-first decode, docs/performance.md,
 // fourteenth session.)
 __device__ __forceinline__ void load_tile_words(const ST* head, int lk, int col0, kda_u32 (&w)[TW]) {
     if constexpr (!VFIRST) {
