@@ -793,7 +793,10 @@ impl CudaBackend {
         let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
             (Some(pl), _) if pl.tile => {
                 let (f, name) = eager_tile_kernel(&self.ctx, key, pl.tile_move)?;
-                Self::opt_in_smem(&f, name, pl.smem)?;
+                // (no driver call for kda_eager_tile, which has no dynamic shared memory)
+                if pl.smem > 0 {
+                    Self::opt_in_smem(&f, name, pl.smem)?;
+                }
                 (f, name, pl.smem, None)
             }
             (Some(pl), _) => {
