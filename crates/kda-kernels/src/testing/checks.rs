@@ -225,7 +225,8 @@ pub fn check_prefill_in_two_pieces_matches_one<B: Backend>(
 }
 
 /// Token-by-token decode (the case's `ring_len`, flushed at the end) against a prefill of the
-/// same tokens; returns the relative differences of outputs and states.
+/// same tokens; returns the relative differences of outputs and of states (the states'
+/// difference against their largest norm along the sequence).
 pub fn check_decode_matches_prefill<B: Backend>(be: &B, case: &Case, seed: u64) -> (f64, f64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mem = be.memory();
@@ -247,6 +248,11 @@ pub fn check_decode_matches_prefill<B: Backend>(be: &B, case: &Case, seed: u64) 
     let row = case.hv * case.v;
     let mut out_dec = vec![0.0; t * row];
     let longest = case.seq_lens.iter().copied().max().unwrap_or(0);
+    // The scale of the state: its largest norm along the sequence (the initial states, the
+    // stored states after each decode step). f32 rounding errors scale with the terms a state
+    // is made of, so a state that ends near zero by cancellation is compared against them.
+    let norm = |x: &[f32]| x.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
+    let mut scale = norm(&dec.read_states(mem, &case.slots).expect("read"));
     for j in 0..longest {
         let active: Vec<usize> = (0..case.slots.len())
             .filter(|&i| case.seq_lens[i] > j)
@@ -266,6 +272,7 @@ pub fn check_decode_matches_prefill<B: Backend>(be: &B, case: &Case, seed: u64) 
         for (m, &tok) in toks.iter().enumerate() {
             out_dec[tok * row..(tok + 1) * row].copy_from_slice(&o[m * row..(m + 1) * row]);
         }
+        scale = scale.max(norm(&dec.read_states(mem, &case.slots).expect("read")));
     }
     run_replay(
         be,
@@ -280,7 +287,13 @@ pub fn check_decode_matches_prefill<B: Backend>(be: &B, case: &Case, seed: u64) 
     let s_pre = pre.read_states(mem, &case.slots).expect("read");
     let s_dec = dec.read_states(mem, &case.slots).expect("read");
     let eo = rel_frobenius_f32(&out_dec, &out_pre);
-    let es = rel_frobenius_f32(&s_dec, &s_pre);
+    let diff: Vec<f32> = s_dec.iter().zip(&s_pre).map(|(a, b)| a - b).collect();
+    let scale = scale.max(norm(&s_pre));
+    let es = if scale > 0.0 {
+        norm(&diff) / scale
+    } else {
+        norm(&diff)
+    };
     // Eager decode of a 2-byte pool rounds the state at every token.
     let stores = longest
         .checked_div(case.ring_len)
@@ -293,7 +306,7 @@ pub fn check_decode_matches_prefill<B: Backend>(be: &B, case: &Case, seed: u64) 
     );
     assert!(
         es <= tol_s,
-        "decode state differs from prefill by {es:.3e} > {tol_s:.3e} ({case:?})"
+        "decode state differs from prefill by {es:.3e} of its largest norm > {tol_s:.3e} ({case:?})"
     );
     (eo, es)
 }
