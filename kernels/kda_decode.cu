@@ -394,17 +394,8 @@ struct Plan {
 __device__ __forceinline__ float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// The K elements of a key or query row at src that lane `lane` activates (act_row's loads).
-__device__ __forceinline__ void act_load(const IT* src, int lane, float (&x)[KL]) {
-#pragma unroll
-    for (int i = 0; i < KL; ++i) {
-        const int kk = lane + 32 * i;
-        x[i] = kk < K ? kda_load(src[kk]) : 0.0f;
-    }
-}
-
-// act_row's arithmetic on the loaded row x: l2-normalised when asked, times `scale` when
-// `scaled`, into dst.
+// act_row's arithmetic on a loaded row x (the lane's KL elements): l2-normalised when asked,
+// times `scale` when `scaled`, into dst.
 __device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, bool scaled, float scale, int lane) {
     float ss = 0.0f;
 #pragma unroll
@@ -427,7 +418,11 @@ __device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, 
 __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool scaled, float scale,
                                         int lane) {
     float x[KL];
-    act_load(src, lane, x);
+#pragma unroll
+    for (int i = 0; i < KL; ++i) {
+        const int kk = lane + 32 * i;
+        x[i] = kk < K ? kda_load(src[kk]) : 0.0f;
+    }
     act_finish(x, dst, l2, scaled, scale, lane);
 }
 

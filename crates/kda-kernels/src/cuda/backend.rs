@@ -184,10 +184,8 @@ struct EagerPlan {
     /// Whether the updated tile goes back out through its stage (written there, then copied
     /// out in whole 16-byte chunks: `kda_eager_stage`) rather than from registers (`kda_eager`).
     stage_store: bool,
-    /// Whether `kda_eager_tile` runs the items instead (one per CTA).
-    tile: bool,
-    /// How that tile kernel moves its tile (only with `tile`).
-    tile_move: TileMove,
+    /// `Some`: a tile kernel runs the items instead (one per CTA), moving its tile this way.
+    tile: Option<TileMove>,
 }
 
 /// Items per SM up to which a 2-byte K-first pool decodes with `kda_eager_tile` (H200 sweep,
@@ -272,13 +270,13 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     // the tile in through shared memory (whole rows per warp copy): asked for, or small 2-byte
     // K-first calls by default, where it measured faster (docs/performance.md, fourteenth
     // session: 4-9% at 24-192 items, 5% slower at 512)
-    let tile_move = match e.kernel {
+    let tile = tile.then(|| match e.kernel {
         Some(EagerKernel::StagedTile) => TileMove::Staged,
-        None if tile && two_byte_kf && items <= STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms => {
+        None if two_byte_kf && items <= STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms => {
             TileMove::Staged
         }
         _ => TileMove::Direct,
-    };
+    });
     [stages, 2]
         .into_iter()
         .find(|&st| st * stage + static_smem <= e.smem_optin)
@@ -286,14 +284,13 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             warps,
             vblocks: wph.div_ceil(warps),
             stages,
-            smem: match (tile, tile_move) {
-                (false, _) => stages * stage,
-                (true, TileMove::Direct) => 0,
-                (true, TileMove::Staged) => r16(e.k * cw * e.state_size),
+            smem: match tile {
+                None => stages * stage,
+                Some(TileMove::Direct) => 0,
+                Some(TileMove::Staged) => r16(e.k * cw * e.state_size),
             },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
             tile,
-            tile_move,
         })
 }
 
@@ -791,13 +788,20 @@ impl CudaBackend {
             None
         };
         let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
-            (Some(pl), _) if pl.tile => {
-                let (f, name) = eager_tile_kernel(&self.ctx, key, pl.tile_move)?;
+            (
+                Some(EagerPlan {
+                    tile: Some(mv),
+                    smem,
+                    ..
+                }),
+                _,
+            ) => {
+                let (f, name) = eager_tile_kernel(&self.ctx, key, mv)?;
                 // (no driver call for kda_eager_tile, which has no dynamic shared memory)
-                if pl.smem > 0 {
-                    Self::opt_in_smem(&f, name, pl.smem)?;
+                if smem > 0 {
+                    Self::opt_in_smem(&f, name, smem)?;
                 }
-                (f, name, pl.smem, None)
+                (f, name, smem, None)
             }
             (Some(pl), _) => {
                 let (f, name) = eager_kernel(&self.ctx, key, pl.stage_store)?;
@@ -1203,16 +1207,19 @@ mod tests {
             (2, 8192, true),
         ] {
             let p = tile(&shape(size, heads, v_first));
-            assert!(p.tile, "{size}-byte, {heads} heads, V-first {v_first}");
-            assert_eq!(p.tile_move, TileMove::Direct);
+            assert_eq!(
+                p.tile,
+                Some(TileMove::Direct),
+                "{size}-byte, {heads} heads, V-first {v_first}"
+            );
             assert_eq!(p.smem, 0, "no stages for the tile kernel");
         }
         // fp32 with fewer 4-warp CTAs than SMs (N = 1): 4 warps, the tile kernel
-        assert!(tile(&shape(4, 12, false)).tile);
+        assert!(tile(&shape(4, 12, false)).tile.is_some());
         // fewer than 4 warps asked for: the pipelined kernel
         let mut e = shape(4, 3072, false);
         e.fixed_warps = Some(2);
-        assert!(!tile(&e).tile);
+        assert!(tile(&e).tile.is_none());
         // 2-byte K-first: up to 4 items per SM (528 items of 2 column blocks: 264 heads), the
         // tile in through shared memory up to 2 per SM (132 heads)
         for (heads, mv) in [
@@ -1222,8 +1229,7 @@ mod tests {
             (264, TileMove::Direct),
         ] {
             let p = tile(&shape(2, heads, false));
-            assert!(p.tile, "{heads} heads");
-            assert_eq!(p.tile_move, mv, "{heads} heads");
+            assert_eq!(p.tile, Some(mv), "{heads} heads");
             let smem = if mv == TileMove::Staged {
                 128 * 64 * 2
             } else {
@@ -1232,19 +1238,19 @@ mod tests {
             assert_eq!(p.smem, smem, "{heads} heads");
         }
         let p = tile(&shape(2, 265, false));
-        assert!(!p.tile);
+        assert!(p.tile.is_none());
         assert!(p.smem > 0);
-        assert!(!tile(&shape(2, 8192, false)).tile);
+        assert!(tile(&shape(2, 8192, false)).tile.is_none());
         // stages asked for: the pipelined kernel; a kernel asked for: that one
         let mut e = shape(4, 3072, false);
         e.stages = Some(3);
-        assert!(!tile(&e).tile);
+        assert!(tile(&e).tile.is_none());
         e.stages = None;
         e.kernel = Some(EagerKernel::Pipelined);
-        assert!(!tile(&e).tile);
+        assert!(tile(&e).tile.is_none());
         let mut e = shape(4, 12, false);
         e.kernel = Some(EagerKernel::Tile);
-        assert!(tile(&e).tile);
+        assert!(tile(&e).tile.is_some());
     }
 
     #[test]
@@ -1258,9 +1264,9 @@ mod tests {
                 let mut e = shape(size, 768, v_first);
                 e.kernel = kernel;
                 let p = eager_plan(&e).expect("plan");
-                assert_eq!(p.tile_move, mv, "{kernel:?}");
+                assert_eq!(p.tile.unwrap_or(TileMove::Direct), mv, "{kernel:?}");
                 if kernel.is_some() {
-                    assert!(p.tile, "{kernel:?}");
+                    assert_eq!(p.tile, Some(mv), "{kernel:?}");
                     // a staged tile: K x the CTA's columns in dynamic shared memory
                     let smem = if mv == TileMove::Direct {
                         0
