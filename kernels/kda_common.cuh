@@ -131,6 +131,10 @@ template <> __device__ __forceinline__ float kda_from_bits<kda_half>(unsigned sh
 template <> __device__ __forceinline__ float kda_from_bits<kda_bf16>(unsigned short b) {
     return __uint_as_float(((kda_u32)b) << 16);
 }
+// The low (hi = false) or high half of a word of two 2-byte values of type T, as f32 (exact).
+template <typename T> __device__ __forceinline__ float kda_word_half(kda_u32 word, bool hi) {
+    return kda_from_bits<T>((unsigned short)(hi ? word >> 16 : word & 0xffffu));
+}
 __device__ __forceinline__ unsigned short kda_bits(kda_half h) { return KDA_HALF_BITS(h); }
 __device__ __forceinline__ unsigned short kda_bits(kda_bf16 h) { return KDA_BF16_BITS(h); }
 
@@ -142,10 +146,7 @@ __device__ __forceinline__ void kda_unpack(const kda_u32 (&w)[(N * sizeof(T) + 3
         for (int i = 0; i < N; ++i) out[i] = __uint_as_float(w[i]);
     } else {
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            kda_u32 word = w[i / 2];
-            out[i] = kda_from_bits<T>((unsigned short)((i & 1) ? (word >> 16) : (word & 0xffffu)));
-        }
+        for (int i = 0; i < N; ++i) out[i] = kda_word_half<T>(w[i / 2], i & 1);
     }
 }
 

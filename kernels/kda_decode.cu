@@ -1392,10 +1392,7 @@ __device__ __forceinline__ void tile_from_words(const kda_u32 (&w)[TW], float (&
 #pragma unroll
     for (int r = 0; r < TK; ++r) {
 #pragma unroll
-        for (int c = 0; c < TV; ++c) {
-            const kda_u32 x = w[tw_of(r, c)];
-            s[r][c] = kda_from_bits<T>((unsigned short)((VFIRST ? (r & 1) : (c & 1)) ? x >> 16 : x & 0xffffu));
-        }
+        for (int c = 0; c < TV; ++c) s[r][c] = kda_word_half<T>(w[tw_of(r, c)], (VFIRST ? r : c) & 1);
     }
 }
 
