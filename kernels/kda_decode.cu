@@ -164,7 +164,8 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // The lane's state tile of one value head: TK rows x TV columns starting at column col0.
-__device__ __forceinline__ void load_tile(const ST* head, int lk, int col0, float (&s)[TK][TV]) {
+// rs: elements from one K-first row to the next (V in the pool; a tile's width in shared memory).
+__device__ __forceinline__ void load_tile(const ST* head, int lk, int col0, float (&s)[TK][TV], int rs = V) {
     if constexpr (!VFIRST) {
 #pragma unroll
         for (int r = 0; r < TK; ++r) {
@@ -172,7 +173,7 @@ __device__ __forceinline__ void load_tile(const ST* head, int lk, int col0, floa
             if constexpr (KF_VEC) {
                 float tmp[TV];
                 if (kr < K && col0 < V) {
-                    kda_load_vec<ST, TV>(head + (size_t)kr * V + col0, tmp);
+                    kda_load_vec<ST, TV>(head + (size_t)kr * rs + col0, tmp);
                 } else {
 #pragma unroll
                     for (int c = 0; c < TV; ++c) tmp[c] = 0.0f;
@@ -183,7 +184,7 @@ __device__ __forceinline__ void load_tile(const ST* head, int lk, int col0, floa
 #pragma unroll
                 for (int c = 0; c < TV; ++c) {
                     const int col = col0 + c;
-                    s[r][c] = (kr < K && col < V) ? kda_load(head[(size_t)kr * V + col]) : 0.0f;
+                    s[r][c] = (kr < K && col < V) ? kda_load(head[(size_t)kr * rs + col]) : 0.0f;
                 }
             }
         }
@@ -226,9 +227,10 @@ __device__ __forceinline__ ST round_elem(float x, kda_u32 base, kda_u32 elem) {
 
 // Stores the lane's tile; `elem0` is the head's offset in the slot's ssm plane (hv * K * V).
 // STREAM (K-first 2-byte nearest only): streaming stores (KDA_STORE_STREAM), for kda_ring.
+// rs: as in load_tile (the stochastic stream's element offsets keep the pool's rows of V).
 template <bool SR, bool STREAM = false>
 __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const float (&s)[TK][TV],
-                                           kda_u32 base, kda_u32 elem0) {
+                                           kda_u32 base, kda_u32 elem0, int rs = V) {
     if constexpr (!VFIRST) {
 #pragma unroll
         for (int r = 0; r < TK; ++r) {
@@ -239,9 +241,9 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
                 if (col0 >= V) continue;
                 const uint2 w = make_uint2(kda_pack2_rn<ST>(s[r][0], s[r][1]), kda_pack2_rn<ST>(s[r][2], s[r][3]));
                 if constexpr (STREAM) {
-                    KDA_STORE_STREAM(reinterpret_cast<uint2*>(head + (size_t)kr * V + col0), w);
+                    KDA_STORE_STREAM(reinterpret_cast<uint2*>(head + (size_t)kr * rs + col0), w);
                 } else {
-                    *reinterpret_cast<uint2*>(head + (size_t)kr * V + col0) = w;
+                    *reinterpret_cast<uint2*>(head + (size_t)kr * rs + col0) = w;
                 }
             } else if constexpr (KF_VEC) {
                 if (col0 >= V) continue;
@@ -249,13 +251,13 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
 #pragma unroll
                 for (int c = 0; c < TV; ++c)
                     tmp[c] = round_elem<SR>(s[r][c], base, elem0 + (kda_u32)(kr * V + col0 + c));
-                kda_store_vec<ST, TV>(head + (size_t)kr * V + col0, tmp);
+                kda_store_vec<ST, TV>(head + (size_t)kr * rs + col0, tmp);
             } else {
 #pragma unroll
                 for (int c = 0; c < TV; ++c) {
                     const int col = col0 + c;
                     if (col < V)
-                        head[(size_t)kr * V + col] =
+                        head[(size_t)kr * rs + col] =
                             round_elem<SR>(s[r][c], base, elem0 + (kda_u32)(kr * V + col));
                 }
             }
@@ -871,6 +873,71 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 #endif
 
+// Bulk copies (sm_90 `cp.async.bulk`, the copy engine behind TMA): one instruction moves a
+// contiguous block of whole 16-byte chunks between global and shared memory, with no per-lane
+// addresses. In: completes on an mbarrier, which counts the bytes still to come. Out: a bulk
+// group of the issuing thread, whose shared-memory reads are waited for before the CTA exits.
+// Elsewhere (HIP, older GPUs) plain 16-byte copies by the issuing thread stand in for them
+// (correct, not fast: the host launches the bulk kernel on sm_90 and later only).
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KDA_BULK 1
+__device__ __forceinline__ void bulk_bar_init(kda_u64* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
+                 "fence.mbarrier_init.release.cluster;\n" ::"r"(smem_addr(bar))
+                 : "memory");
+}
+// The one arrival of the barrier's phase, with the bytes its copies will bring.
+__device__ __forceinline__ void bulk_bar_expect(kda_u64* bar, kda_u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_bar_wait(kda_u64* bar) {
+    kda_u32 done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar))
+                     : "memory");
+    }
+}
+__device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 bytes, kda_u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+// This thread's shared-memory writes made visible to the bulk copies (before the barrier).
+__device__ __forceinline__ void bulk_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_out(void* dst, const void* src, kda_u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
+                 "r"(bytes)
+                 : "memory");
+}
+// Commits this thread's bulk stores and waits until they have read shared memory.
+__device__ __forceinline__ void bulk_out_done() {
+    asm volatile("cp.async.bulk.commit_group;\n"
+                 "cp.async.bulk.wait_group.read 0;\n" ::
+                     : "memory");
+}
+#else
+#define KDA_BULK 0
+__device__ __forceinline__ void bulk_copy16(void* dst, const void* src, kda_u32 bytes) {
+    for (kda_u32 o = 0; o < bytes; o += 16)
+        *reinterpret_cast<uint4*>(static_cast<unsigned char*>(dst) + o) =
+            *reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(src) + o);
+}
+__device__ __forceinline__ void bulk_bar_init(kda_u64*) {}
+__device__ __forceinline__ void bulk_bar_expect(kda_u64*, kda_u32) {}
+__device__ __forceinline__ void bulk_bar_wait(kda_u64*) {}
+__device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 bytes, kda_u64*) {
+    bulk_copy16(dst, src, bytes);
+}
+__device__ __forceinline__ void bulk_fence() {}
+__device__ __forceinline__ void bulk_out(void* dst, const void* src, kda_u32 bytes) { bulk_copy16(dst, src, bytes); }
+__device__ __forceinline__ void bulk_out_done() {}
+#endif
+
 // Copies `bytes` (a multiple of 16) from src to dst in 16-byte chunks, spread over the CTA.
 __device__ __forceinline__ void copy_chunks(unsigned char* dst, const unsigned char* src, int bytes) {
     for (int j = threadIdx.x; j < bytes / 16; j += blockDim.x) cp_async16(dst + 16 * j, src + 16 * j);
@@ -1357,13 +1424,13 @@ __device__ __forceinline__ int tw_of(int r, int c) { return VFIRST ? c * (TK / 2
 // load_tile's loads (TILE_WORDS), their words kept. (Its loops mirror load_tile's: one loop
 // visitor for both measured up to 1.7% slower on 2-byte V-first decode, docs/performance.md,
 // fourteenth session.)
-__device__ __forceinline__ void load_tile_words(const ST* head, int lk, int col0, kda_u32 (&w)[TW]) {
+__device__ __forceinline__ void load_tile_words(const ST* head, int lk, int col0, kda_u32 (&w)[TW], int rs = V) {
     if constexpr (!VFIRST) {
 #pragma unroll
         for (int r = 0; r < TK; ++r) {
             const int kr = row_of(lk, r);
             uint2 x = make_uint2(0u, 0u);
-            if (kr < K && col0 < V) x = *reinterpret_cast<const uint2*>(head + (size_t)kr * V + col0);
+            if (kr < K && col0 < V) x = *reinterpret_cast<const uint2*>(head + (size_t)kr * rs + col0);
             w[tw_of(r, 0)] = x.x;
             w[tw_of(r, 2)] = x.y;
         }
@@ -1396,6 +1463,59 @@ __device__ __forceinline__ void tile_from_words(const kda_u32 (&w)[TW], float (&
     }
 }
 
+// How a one-item-per-CTA eager kernel moves its state tile (the host's `TileMove`).
+constexpr int MOVE_DIRECT = 0; // global memory <-> registers
+constexpr int MOVE_STAGED = 1; // in through shared memory by cp.async, out from registers
+constexpr int MOVE_BULK = 2;   // in and out through shared memory by bulk copies
+constexpr int MOVE_BULK_IN = 3; // in through shared memory by bulk copies, out from registers
+
+// A K-first tile in shared memory for bulk copies: K rows of cw columns, the TK rows of lane
+// group lk shifted by lk WC elements. The lanes of a column group read the same columns of rows
+// TK apart; with rows of a multiple of 128 bytes they would all meet the same banks, shifted
+// they meet LK different ones. (A bulk copy moves one contiguous block, so the swizzle of the
+// staged tiles, by 16-byte chunks within a row, is not open to it; a shift per row is.)
+__device__ __forceinline__ int bulk_row(int row, int cw) { return row * cw + (row / TK) * WC; }
+
+// Issues, on the lanes of one warp, the bulk copies of an item's tile (columns cb.., cwv
+// valid) between the value head at `head` and the tile at `t` in shared memory (V-first: one
+// block [cwv][K]; K-first: K rows laid out by bulk_row, a lane group's TK rows as one block
+// where the item is the whole head, else row by row). IN: into the tile, lane 0 first telling
+// `bar` the bytes to come; else out to the head (the caller then waits, bulk_out_done).
+template <bool IN>
+__device__ __forceinline__ void tile_bulk(ST* t, ST* head, int cb, int cw, int cwv, kda_u64* bar, int lane) {
+    const kda_u32 rowb = (kda_u32)cwv * sizeof(ST);
+    if constexpr (IN) {
+        if (lane == 0) bulk_bar_expect(bar, (kda_u32)K * rowb);
+        KDA_SYNCWARP();
+    }
+    if constexpr (VFIRST) {
+        if (lane == 0) {
+            if constexpr (IN) {
+                bulk_in(t, head + (size_t)cb * K, (kda_u32)K * rowb, bar);
+            } else {
+                bulk_out(head + (size_t)cb * K, t, (kda_u32)K * rowb);
+            }
+        }
+    } else if (cw == V) {
+        for (int r = lane * TK; r < K; r += 32 * TK) {
+            const kda_u32 b = (kda_u32)cmin(TK, K - r) * rowb;
+            if constexpr (IN) {
+                bulk_in(t + bulk_row(r, cw), head + (size_t)r * V, b, bar);
+            } else {
+                bulk_out(head + (size_t)r * V, t + bulk_row(r, cw), b);
+            }
+        }
+    } else {
+        for (int r = lane; r < K; r += 32) {
+            if constexpr (IN) {
+                bulk_in(t + bulk_row(r, cw), head + (size_t)r * V + cb, rowb, bar);
+            } else {
+                bulk_out(head + (size_t)r * V + cb, t + bulk_row(r, cw), rowb);
+            }
+        }
+    }
+}
+
 // Eager decode, one item per CTA (item = blockIdx.x, the grid covers the items): the state
 // tile goes from global memory into registers with no pipeline; many CTAs per SM keep the loads
 // in flight instead. STAGED: the tile comes in through shared memory (cp.async of whole 16-byte
@@ -1406,9 +1526,12 @@ __device__ __forceinline__ void tile_from_words(const kda_u32 (&w)[TW], float (&
 // the gates, values and beta, each role's loads in the same registers; with fewer warps they
 // are loaded after the tile and split as in eager_run, by eager_activate). The same functions
 // as eager_run and kda_step, so the same bits.
-template <bool STAGED>
+template <int MOVE>
 __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
+    constexpr bool STAGED = MOVE == MOVE_STAGED, BULK = MOVE == MOVE_BULK || MOVE == MOVE_BULK_IN;
+    constexpr bool BULK_OUT = MOVE == MOVE_BULK;
     extern __shared__ __align__(16) unsigned char eager_dsm[];
+    __shared__ kda_u64 bulk_bar;
     __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
     __shared__ float abeta;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -1470,7 +1593,14 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
     float s[TK][TV];
     kda_u32 w[TW];
-    if constexpr (STAGED) {
+    ST* const bt = reinterpret_cast<ST*>(eager_dsm); // the bulk tile
+    if constexpr (BULK) {
+        if (warp == 0) {
+            if (lane == 0) bulk_bar_init(&bulk_bar);
+            KDA_SYNCWARP();
+            tile_bulk<true>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
+        }
+    } else if constexpr (STAGED) {
         tile_issue(eager_dsm, head, it.cb, cw, cwv);
         cp_async_commit();
     } else if constexpr (TILE_WORDS) {
@@ -1510,27 +1640,74 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     }
     if constexpr (STAGED) cp_async_wait<0>();
     __syncthreads();
-    if constexpr (STAGED) {
+    // the lane's part of the bulk tile: K-first, its rows' shift (bulk_row); columns relative
+    // to the item's first
+    ST* const bl = bt + (VFIRST ? 0 : lk * WC);
+    const int bcol = col0l < cwv ? col0l : V;
+    if constexpr (BULK) {
+        bulk_bar_wait(&bulk_bar);
+        if constexpr (TILE_WORDS) {
+            load_tile_words(bl, lk, bcol, w, cw);
+            tile_from_words(w, s);
+        } else {
+            load_tile(bl, lk, bcol, s, cw);
+        }
+    } else if constexpr (STAGED) {
         tile_from_stage(reinterpret_cast<const ST*>(eager_dsm), lk, col0l, cwv, cw, s);
     } else if constexpr (TILE_WORDS) {
         tile_from_words(w, s);
     }
     float o[TV];
     token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
-    if (col0l >= cwv) return;
-    if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
-    const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
-    if (p.sr) {
-        const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-        store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
+    if constexpr (BULK_OUT) {
+        const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+        // into the bulk tile where it came from (the stochastic stream's offsets are the
+        // head's: elem0 moved to the item's first column), then out by bulk copies
+        if (col0l < cwv) {
+            if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
+            const kda_u32 belem0 = elem0 + (kda_u32)(VFIRST ? it.cb * K : it.cb);
+            if (p.sr) {
+                const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+                store_tile<true>(bl, lk, col0l, s, kda_sr_base(seed, p.layer, slot, p.epoch), belem0, cw);
+            } else {
+                store_tile<false>(bl, lk, col0l, s, 0u, belem0, cw);
+            }
+        }
+        bulk_fence();
+        __syncthreads();
+        if (warp == 0) {
+            tile_bulk<false>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
+            bulk_out_done();
+        }
     } else {
-        store_tile<false>(head, lk, col0, s, 0u, elem0);
+        if (col0l >= cwv) return;
+        if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
+        const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+        if (p.sr) {
+            const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+            store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
+        } else {
+            store_tile<false>(head, lk, col0, s, 0u, elem0);
+        }
     }
 }
 
-extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile(const KdaParams p) { eager_tile_run<false>(p); }
+extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile(const KdaParams p) {
+    eager_tile_run<MOVE_DIRECT>(p);
+}
 
 // kda_eager_tile with its tile copied in through shared memory (dynamic: K x the CTA's columns).
 extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_staged(const KdaParams p) {
-    eager_tile_run<true>(p);
+    eager_tile_run<MOVE_STAGED>(p);
+}
+
+// kda_eager_tile with its tile moved in and out by bulk copies through shared memory (dynamic:
+// the bulk tile, K x the CTA's columns and, K-first, LK x WC elements of row shifts).
+extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk(const KdaParams p) {
+    eager_tile_run<MOVE_BULK>(p);
+}
+
+// kda_eager_tile_bulk with its updated tile stored from registers, as kda_eager_tile does.
+extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const KdaParams p) {
+    eager_tile_run<MOVE_BULK_IN>(p);
 }

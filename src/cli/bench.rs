@@ -635,6 +635,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     ("decode-piped", EagerKernel::Pipelined),
                                     ("decode-tile", EagerKernel::Tile),
                                     ("decode-staged", EagerKernel::StagedTile),
+                                    ("decode-bulk", EagerKernel::BulkTile),
+                                    ("decode-bulkin", EagerKernel::BulkInTile),
                                     ("decode-blocked", EagerKernel::Step),
                                 ] {
                                     be.set_eager_kernel(Some(k)).map_err(kerr)?;
@@ -646,10 +648,15 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     be.set_eager_warps(Some(w)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;
                                     row(&mut b, &format!("decode-w{w}"), us)?;
-                                    be.set_eager_kernel(Some(EagerKernel::StagedTile))
-                                        .map_err(kerr)?;
-                                    let us = b.time(&mut s, kind, None)?;
-                                    row(&mut b, &format!("decode-staged-w{w}"), us)?;
+                                    for (op, k) in [
+                                        ("staged", EagerKernel::StagedTile),
+                                        ("bulk", EagerKernel::BulkTile),
+                                        ("bulkin", EagerKernel::BulkInTile),
+                                    ] {
+                                        be.set_eager_kernel(Some(k)).map_err(kerr)?;
+                                        let us = b.time(&mut s, kind, None)?;
+                                        row(&mut b, &format!("decode-{op}-w{w}"), us)?;
+                                    }
                                     be.set_eager_kernel(None).map_err(kerr)?;
                                 }
                                 be.set_eager_warps(None).map_err(kerr)?;

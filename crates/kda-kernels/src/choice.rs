@@ -14,6 +14,13 @@ pub enum EagerKernel {
     /// memory in whole 16-byte chunks (so a warp fetches whole tile rows), written back from
     /// registers; same bits.
     StagedTile,
+    /// `kda_eager_tile_bulk`: the tile kernel with its state tile moved in and out by bulk
+    /// copies (`cp.async.bulk`, sm_90 and later) through shared memory, one instruction per
+    /// contiguous block instead of per-lane loads and stores; same bits.
+    BulkTile,
+    /// `kda_eager_tile_bulk_in`: `BulkTile` with its updated tile stored from registers, as
+    /// `Tile` does; same bits.
+    BulkInTile,
     /// The general kernel of every operation, one item per CTA (`kda_step`).
     Step,
 }

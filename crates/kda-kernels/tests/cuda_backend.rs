@@ -313,6 +313,8 @@ fn check_fast_eager_kernels_match_the_general_one(
         EagerKernel::Pipelined,
         EagerKernel::Tile,
         EagerKernel::StagedTile,
+        EagerKernel::BulkTile,
+        EagerKernel::BulkInTile,
     ] {
         let mut rng = StdRng::seed_from_u64(seed);
         let (mut fast, mut general) = twin_layers(cu, case, case, &mut rng);

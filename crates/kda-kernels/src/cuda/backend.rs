@@ -78,6 +78,9 @@ pub struct CudaBackend {
     /// Whether the device has programmatic dependent launch (sm_90 and later; the kernels'
     /// wait is compiled only there).
     has_dependent_launch: bool,
+    /// Whether the device has bulk copies (`cp.async.bulk`, sm_90 and later), which the eager
+    /// plan's own choice takes only then (elsewhere the bulk kernels' stand-in copies are slow).
+    has_bulk_copies: bool,
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
     smem_optin: usize,
@@ -162,6 +165,9 @@ struct EagerShape {
     num_sms: usize,
     /// The kernel asked for (`None`: the plan's choice).
     kernel: Option<EagerKernel>,
+    /// Whether the device has bulk copies (`cp.async.bulk`, sm_90 and later), which the plan's
+    /// own choice takes only then.
+    bulk: bool,
 }
 
 /// Value heads of a call from which a 2-byte K-first pool decodes a whole head per CTA
@@ -203,6 +209,44 @@ const STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM: usize = 2;
 /// with rows of 256 bytes, 6-9% slower with rows of 128 bytes (4 warps) and at N = 1.
 const STAGE_STORE_ROW_BYTES: usize = 256;
 
+/// Dynamic shared memory of `kda_eager_tile_bulk`'s tile of `cw` columns, bytes: V-first the
+/// tile as in the pool; K-first its rows, each lane group's shifted by a warp's columns
+/// (`bulk_row` in `kernels/kda_decode.cu`).
+fn bulk_tile_bytes(k: usize, cw: usize, v_first: bool, state_size: usize) -> usize {
+    let lk = k.div_ceil(16).next_power_of_two().min(32);
+    let shifts = if v_first { 0 } else { lk * warp_columns(k) };
+    (k * cw + shifts) * state_size
+}
+
+/// Value heads of a call from which eager decode moves its state tiles in and out by bulk copies
+/// (`kda_eager_tile_bulk`) on a device that has them: K-first pools a whole head per CTA (8
+/// warps at V = 128, the head's rows as one block per lane group), fp32 V-first pools 4-warp
+/// tiles (one block each). H200 sweep (docs/performance.md, sixteenth session): 2-7% faster
+/// from 512 heads (fp32 V-first 2-4%, fp32 K-first 3-5%, 2-byte K-first 4-7%); at 384 heads
+/// fp32 K-first was 7% slower. 2-byte V-first pools keep `kda_eager_tile` from here (2-4%
+/// faster than bulk copies).
+const BULK_FROM: usize = 512;
+
+/// Value heads of a call from which a V-first pool copies its tile in by bulk copies and stores
+/// it from registers (`kda_eager_tile_bulk_in`), up to `BULK_FROM` (H200 sweep,
+/// docs/performance.md, sixteenth session: 1-14% faster at 192-384 heads for fp32 and 2-byte
+/// pools, mixed below).
+const BULK_IN_V_FIRST_FROM: usize = 192;
+
+/// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
+fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
+    if !e.bulk {
+        return None;
+    }
+    if e.heads >= BULK_FROM && (!e.v_first || e.state_size == 4) {
+        Some(TileMove::Bulk)
+    } else if e.v_first && (BULK_IN_V_FIRST_FROM..BULK_FROM).contains(&e.heads) {
+        Some(TileMove::BulkIn)
+    } else {
+        None
+    }
+}
+
 /// The launch of an eager kernel (the pipelined one or `kda_eager_tile`), or `None` where the
 /// pipelined kernel's 16-byte copies or its lane mapping do not fit the shape (then `kda_step`
 /// runs). Mirrors the constants of `kernels/kda_decode.cu` (LK, TK, RG, WC, `EagerStage`).
@@ -222,8 +266,14 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let few = e.heads * wph.div_ceil(4) < e.num_sms;
     // the pipelined kernel whatever the shape: asked for, or stages asked for
     let pipelined = e.kernel == Some(EagerKernel::Pipelined) || e.stages.is_some();
+    let bulk = match e.kernel {
+        None if !pipelined => default_bulk_move(e),
+        _ => None,
+    };
     let warps = match e.fixed_warps {
         Some(w) => w.min(wph),
+        // K-first bulk copies: whole heads (one block per lane group)
+        None if bulk == Some(TileMove::Bulk) && !e.v_first => wph.min(8),
         None if two_byte_kf && e.heads >= WHOLE_HEAD_FROM => wph.min(8),
         // the pipelined kernel on fp32 pools with fewer 4-warp CTAs than SMs (N = 1): 2 warps,
         // twice the CTAs (the H200 sweep: 4.05 against 4.33 us at H = 12, N = 1); 4 for
@@ -232,12 +282,18 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         None => wph.min(4),
     };
     let cw = warps * wc;
+    let static_smem = (3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 16 + 3 * 32;
+    // K-first bulk copies only of whole heads (row by row they measured up to 2x slower), and
+    // only where the tile fits shared memory
+    let bulk = bulk.filter(|_| {
+        (e.v_first || cw == e.v)
+            && bulk_tile_bytes(e.k, cw, e.v_first, e.state_size) + static_smem <= e.smem_optin
+    });
     let stage = r16(e.k * cw * e.state_size)
         + 3 * r16(e.k * e.input_size)
         + r16(cw * e.input_size)
         + r16(e.k * 4)
         + 16;
-    let static_smem = (3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 16 + 3 * 32;
     // 2-byte K-first: 3 stages, except with fewer 4-warp items than SMs (N = 1), where no CTA
     // has a second item to pipeline: 2 stages measured 0.04-0.05 us faster at H = 12 and equal
     // at H = 32 (docs/performance.md, ninth session). The others: 3 stages from
@@ -260,7 +316,13 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     // load fetches 64-byte row or 128-byte column pieces); 2-byte K-first pools (32-byte row
     // pieces) only while a CTA of the pipelined kernel would have little to overlap.
     let tile = match e.kernel {
-        Some(EagerKernel::Tile | EagerKernel::StagedTile) => true,
+        Some(
+            EagerKernel::Tile
+            | EagerKernel::StagedTile
+            | EagerKernel::BulkTile
+            | EagerKernel::BulkInTile,
+        ) => true,
+        _ if bulk.is_some() => true,
         _ => {
             !pipelined
                 && warps >= 4
@@ -270,9 +332,12 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     // the tile in through shared memory (whole rows per warp copy): asked for, or small 2-byte
     // K-first calls by default, where it measured faster (docs/performance.md, fourteenth
     // session: 4-9% at 24-192 items, 5% slower at 512)
-    let tile = tile.then(|| match e.kernel {
-        Some(EagerKernel::StagedTile) => TileMove::Staged,
-        None if two_byte_kf && items <= STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms => {
+    let tile = tile.then(|| match (e.kernel, bulk) {
+        (Some(EagerKernel::StagedTile), _) => TileMove::Staged,
+        (Some(EagerKernel::BulkTile), _) => TileMove::Bulk,
+        (Some(EagerKernel::BulkInTile), _) => TileMove::BulkIn,
+        (None, Some(mv)) => mv,
+        (None, None) if two_byte_kf && items <= STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms => {
             TileMove::Staged
         }
         _ => TileMove::Direct,
@@ -288,6 +353,9 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
                 None => stages * stage,
                 Some(TileMove::Direct) => 0,
                 Some(TileMove::Staged) => r16(e.k * cw * e.state_size),
+                Some(TileMove::Bulk | TileMove::BulkIn) => {
+                    bulk_tile_bytes(e.k, cw, e.v_first, e.state_size)
+                }
             },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
             tile,
@@ -429,6 +497,7 @@ impl CudaBackend {
             ring_pipelined: Mutex::new(None),
             dependent_launch: Mutex::new(None),
             has_dependent_launch: major >= 9,
+            has_bulk_copies: major >= 9,
             num_sms,
             smem_optin,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
@@ -766,6 +835,7 @@ impl CudaBackend {
                 v_first: g.layout == StateLayout::VFirst,
                 num_sms: self.num_sms as usize,
                 kernel: eager_choice,
+                bulk: self.has_bulk_copies,
             })
         } else {
             None
@@ -1158,6 +1228,7 @@ mod tests {
             v_first,
             num_sms: 132,
             kernel: None,
+            bulk: false,
         }
     }
 
@@ -1254,11 +1325,60 @@ mod tests {
     }
 
     #[test]
-    fn eager_plan_stages_the_tile_of_big_calls_only_when_asked() {
+    fn eager_plan_moves_tiles_by_bulk_copies_where_they_measured_faster() {
+        let with_bulk = |size, heads, v_first| EagerShape {
+            bulk: true,
+            ..shape(size, heads, v_first)
+        };
+        let mv = |e: &EagerShape| eager_plan(e).expect("plan").tile;
+        // K-first pools from 512 heads: whole heads (8 warps), the rows of each lane group
+        // shifted by a warp's columns in shared memory
+        for size in [4, 2] {
+            for heads in [512, 8192] {
+                let p = eager_plan(&with_bulk(size, heads, false)).expect("plan");
+                assert_eq!(p.tile, Some(TileMove::Bulk), "{size}-byte, {heads} heads");
+                assert_eq!((p.warps, p.vblocks), (8, 1));
+                assert_eq!(p.smem, (128 * 128 + 8 * 16) * size);
+            }
+            assert_ne!(mv(&with_bulk(size, 511, false)), Some(TileMove::Bulk));
+        }
+        // fp32 V-first pools from 512 heads: 4-warp tiles in and out; V-first pools from 192
+        // heads up to there: in by bulk copies, out from registers
+        let p = eager_plan(&with_bulk(4, 512, true)).expect("plan");
+        assert_eq!(
+            (p.tile, p.warps, p.smem),
+            (Some(TileMove::Bulk), 4, 128 * 64 * 4)
+        );
+        for size in [4, 2] {
+            for heads in [192, 511] {
+                let p = eager_plan(&with_bulk(size, heads, true)).expect("plan");
+                assert_eq!((p.tile, p.warps), (Some(TileMove::BulkIn), 4));
+                assert_eq!(p.smem, 128 * 64 * size);
+            }
+            assert_eq!(mv(&with_bulk(size, 191, true)), Some(TileMove::Direct));
+        }
+        // 2-byte V-first pools from 512 heads: the tile straight into registers
+        assert_eq!(mv(&with_bulk(2, 512, true)), Some(TileMove::Direct));
+        assert_eq!(mv(&with_bulk(2, 8192, true)), Some(TileMove::Direct));
+        // not without bulk copies, nor where the pipelined kernel or 4-warp K-first items (row
+        // by row) are asked for
+        assert_eq!(mv(&shape(4, 8192, false)), Some(TileMove::Direct));
+        let mut e = with_bulk(4, 8192, false);
+        e.kernel = Some(EagerKernel::Pipelined);
+        assert_eq!(mv(&e), None);
+        let mut e = with_bulk(4, 8192, false);
+        e.fixed_warps = Some(4);
+        assert_eq!(mv(&e), Some(TileMove::Direct));
+    }
+
+    #[test]
+    fn eager_plan_moves_the_tile_of_big_calls_through_shared_memory_only_when_asked() {
         for (kernel, mv) in [
             (None, TileMove::Direct),
             (Some(EagerKernel::Tile), TileMove::Direct),
             (Some(EagerKernel::StagedTile), TileMove::Staged),
+            (Some(EagerKernel::BulkTile), TileMove::Bulk),
+            (Some(EagerKernel::BulkInTile), TileMove::BulkIn),
         ] {
             for (size, v_first) in [(2, false), (2, true), (4, false)] {
                 let mut e = shape(size, 768, v_first);
@@ -1267,11 +1387,13 @@ mod tests {
                 assert_eq!(p.tile.unwrap_or(TileMove::Direct), mv, "{kernel:?}");
                 if kernel.is_some() {
                     assert_eq!(p.tile, Some(mv), "{kernel:?}");
-                    // a staged tile: K x the CTA's columns in dynamic shared memory
-                    let smem = if mv == TileMove::Direct {
-                        0
-                    } else {
-                        128 * p.warps * 16 * size
+                    // a staged or bulk tile: K x the CTA's columns in dynamic shared memory,
+                    // and a K-first bulk tile LK (8) x WC (16) elements of row shifts
+                    let smem = match mv {
+                        TileMove::Direct => 0,
+                        TileMove::Staged => 128 * p.warps * 16 * size,
+                        _ if v_first => 128 * p.warps * 16 * size,
+                        _ => (128 * p.warps * 16 + 8 * 16) * size,
                     };
                     assert_eq!(p.smem, smem, "{kernel:?} {size}-byte");
                 }

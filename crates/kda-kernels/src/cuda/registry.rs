@@ -53,6 +53,8 @@ enum Key {
     EagerStage(StepKey),
     EagerTile(StepKey),
     EagerTileStaged(StepKey),
+    EagerTileBulk(StepKey),
+    EagerTileBulkIn(StepKey),
     Ring(StepKey),
     Fill,
     Copy,
@@ -67,6 +69,8 @@ impl Key {
             Key::EagerStage(_) => "kda_eager_stage",
             Key::EagerTile(_) => "kda_eager_tile",
             Key::EagerTileStaged(_) => "kda_eager_tile_staged",
+            Key::EagerTileBulk(_) => "kda_eager_tile_bulk",
+            Key::EagerTileBulkIn(_) => "kda_eager_tile_bulk_in",
             Key::Ring(_) => "kda_ring",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
@@ -81,13 +85,15 @@ impl Key {
             | Key::EagerStage(k)
             | Key::EagerTile(k)
             | Key::EagerTileStaged(k)
+            | Key::EagerTileBulk(k)
+            | Key::EagerTileBulkIn(k)
             | Key::Ring(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (six kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (eight kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -96,13 +102,15 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 6] {
+fn step_module(k: StepKey) -> [Key; 8] {
     [
         Key::Step(k),
         Key::Eager(k),
         Key::EagerStage(k),
         Key::EagerTile(k),
         Key::EagerTileStaged(k),
+        Key::EagerTileBulk(k),
+        Key::EagerTileBulkIn(k),
         Key::Ring(k),
     ]
 }
@@ -304,6 +312,10 @@ pub(crate) enum TileMove {
     Direct,
     /// In through shared memory, out from registers (`kda_eager_tile_staged`).
     Staged,
+    /// In and out through shared memory by bulk copies (`kda_eager_tile_bulk`).
+    Bulk,
+    /// In through shared memory by bulk copies, out from registers (`kda_eager_tile_bulk_in`).
+    BulkIn,
 }
 
 /// The one-item-per-CTA eager-decode kernel that moves its tile as `mv`, specialised on
@@ -316,6 +328,8 @@ pub(crate) fn eager_tile_kernel(
     let key = match mv {
         TileMove::Direct => Key::EagerTile(key),
         TileMove::Staged => Key::EagerTileStaged(key),
+        TileMove::Bulk => Key::EagerTileBulk(key),
+        TileMove::BulkIn => Key::EagerTileBulkIn(key),
     };
     Ok((get(ctx, key)?, key.entry()))
 }
@@ -391,6 +405,8 @@ mod tests {
                 "kda_eager_stage",
                 "kda_eager_tile",
                 "kda_eager_tile_staged",
+                "kda_eager_tile_bulk",
+                "kda_eager_tile_bulk_in",
                 "kda_ring"
             ]
         );
