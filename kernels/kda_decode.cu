@@ -3,8 +3,8 @@
 // templated through macros on the state element (KDA_ST), the input/ring/output element
 // (KDA_IT), the layout (KDA_VFIRST) and the head dims (KDA_K, KDA_V); f32 arithmetic with f32
 // accumulation. Eager decode can also run kda_eager / kda_eager_stage (the pipelined kernel
-// further down) or kda_eager_tile / kda_eager_tile_staged (one item per CTA, at the end of this
-// file), which step tokens through the same functions.
+// further down) or kda_eager_tile and its variants _staged, _bulk and _bulk_in (one item per
+// CTA, at the end of this file), which step tokens through the same functions.
 //
 // Work split. A CTA handles one sequence and one "unit" of heads, and a block of value columns:
 // - eager decode (ring_len == 0): a unit is one value head and the CTAs of a head split V;

@@ -300,7 +300,8 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
 }
 
 /// Runs `steps` eager decode steps of `case` with each of the pipelined kernel and the tile
-/// kernels (`kda_eager_tile`, `kda_eager_tile_staged`) on one layer and the general kernel
+/// kernels (`kda_eager_tile`, `kda_eager_tile_staged`, `kda_eager_tile_bulk`,
+/// `kda_eager_tile_bulk_in`) on one layer and the general kernel
 /// (`kda_step`) on its twin, from the same states and inputs; asserts equal bits of outputs and
 /// states after every step.
 fn check_fast_eager_kernels_match_the_general_one(

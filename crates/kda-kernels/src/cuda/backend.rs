@@ -176,16 +176,17 @@ struct EagerShape {
 /// session).
 const WHOLE_HEAD_FROM: usize = 1536;
 
-/// A launch of an eager kernel: the pipelined one, or a tile kernel (`tile`: `kda_eager_tile`
-/// or `kda_eager_tile_staged`), which runs the same items (warps, column blocks) one per CTA.
+/// A launch of an eager kernel: the pipelined one, or a tile kernel (`tile`: `kda_eager_tile`,
+/// `kda_eager_tile_staged`, `kda_eager_tile_bulk` or `kda_eager_tile_bulk_in`), which runs the
+/// same items (warps, column blocks) one per CTA.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct EagerPlan {
     warps: usize,
     vblocks: usize,
     /// Pipeline stages (2 or 3).
     stages: usize,
-    /// Dynamic shared memory, bytes: the pipelined kernel's stages, a staged tile kernel's tile
-    /// (K x its columns), none for `kda_eager_tile`.
+    /// Dynamic shared memory, bytes: the pipelined kernel's stages, a staged or bulk tile
+    /// kernel's tile (K x its columns; `bulk_tile_bytes`), none for `kda_eager_tile`.
     smem: usize,
     /// Whether the updated tile goes back out through its stage (written there, then copied
     /// out in whole 16-byte chunks: `kda_eager_stage`) rather than from registers (`kda_eager`).
@@ -535,8 +536,9 @@ impl CudaBackend {
     /// Chooses the eager-decode kernel ([`EagerKernel`]); `None` (the default) picks per call,
     /// wherever the shape allows the pipelined kernel (else `kda_step`): `kda_eager_tile` for
     /// fp32 and 2-byte V-first pools and for small 2-byte K-first calls (the smallest with
-    /// `kda_eager_tile_staged`), the pipelined kernel for big 2-byte K-first calls
-    /// (`eager_plan`).
+    /// `kda_eager_tile_staged`), the pipelined kernel for mid-size 2-byte K-first calls, and on
+    /// a device with bulk copies `kda_eager_tile_bulk` for big K-first and fp32 V-first calls
+    /// and `kda_eager_tile_bulk_in` for mid-size V-first ones (`eager_plan`).
     pub fn set_eager_kernel(&self, kernel: Option<EagerKernel>) -> Result<()> {
         *self.eager_kernel.lock() = kernel;
         Ok(())
