@@ -880,7 +880,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // Elsewhere (HIP, older GPUs) plain 16-byte copies by the issuing thread stand in for them
 // (correct, not fast: the host launches the bulk kernel on sm_90 and later only).
 #if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define KDA_BULK 1
 __device__ __forceinline__ void bulk_bar_init(kda_u64* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
                  "fence.mbarrier_init.release.cluster;\n" ::"r"(smem_addr(bar))
@@ -921,7 +920,6 @@ __device__ __forceinline__ void bulk_out_done() {
                      : "memory");
 }
 #else
-#define KDA_BULK 0
 __device__ __forceinline__ void bulk_copy16(void* dst, const void* src, kda_u32 bytes) {
     for (kda_u32 o = 0; o < bytes; o += 16)
         *reinterpret_cast<uint4*>(static_cast<unsigned char*>(dst) + o) =
@@ -1518,9 +1516,11 @@ __device__ __forceinline__ void tile_bulk(ST* t, ST* head, int cb, int cw, int c
 
 // Eager decode, one item per CTA (item = blockIdx.x, the grid covers the items): the state
 // tile goes from global memory into registers with no pipeline; many CTAs per SM keep the loads
-// in flight instead. STAGED: the tile comes in through shared memory (cp.async of whole 16-byte
-// chunks into the pipelined kernel's stage layout, so a warp's copies fetch whole tile rows),
-// else straight into registers. The token's inputs are loaded first: they do not depend on the
+// in flight instead. MOVE (MOVE_*) says how the tile moves: straight into registers (DIRECT);
+// in through shared memory (STAGED: cp.async of whole 16-byte chunks into the pipelined
+// kernel's stage layout, so a warp's copies fetch whole tile rows); in by bulk copies into
+// shared memory, waited for on an mbarrier, and out the same way (BULK) or from registers
+// (BULK_IN). The token's inputs are loaded first: they do not depend on the
 // slot, so their loads overlap the slot's, and the activations run while the tile's loads are
 // in flight (with 4 warps or more: warp 0 the key, warp 1 the query, the other warps' threads
 // the gates, values and beta, each role's loads in the same registers; with fewer warps they
