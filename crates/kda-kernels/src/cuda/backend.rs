@@ -234,6 +234,11 @@ const BULK_FROM: usize = 512;
 /// pools, mixed below).
 const BULK_IN_V_FIRST_FROM: usize = 192;
 
+/// Value heads of a call from which a 2-byte K-first pool copies whole heads in by bulk copies
+/// and stores them from registers (`kda_eager_tile_bulk_in`), up to `BULK_FROM` (H200 sweep,
+/// docs/performance.md, sixteenth session: 4-5% faster at 384 heads, 4% slower at 288).
+const BULK_IN_2_BYTE_K_FIRST_FROM: usize = 384;
+
 /// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
 fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     if !e.bulk {
@@ -242,6 +247,11 @@ fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     if e.heads >= BULK_FROM && (!e.v_first || e.state_size == 4) {
         Some(TileMove::Bulk)
     } else if e.v_first && (BULK_IN_V_FIRST_FROM..BULK_FROM).contains(&e.heads) {
+        Some(TileMove::BulkIn)
+    } else if !e.v_first
+        && e.state_size == 2
+        && (BULK_IN_2_BYTE_K_FIRST_FROM..BULK_FROM).contains(&e.heads)
+    {
         Some(TileMove::BulkIn)
     } else {
         None
@@ -274,7 +284,7 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let warps = match e.fixed_warps {
         Some(w) => w.min(wph),
         // K-first bulk copies: whole heads (one block per lane group)
-        None if bulk == Some(TileMove::Bulk) && !e.v_first => wph.min(8),
+        None if bulk.is_some() && !e.v_first => wph.min(8),
         None if two_byte_kf && e.heads >= WHOLE_HEAD_FROM => wph.min(8),
         // the pipelined kernel on fp32 pools with fewer 4-warp CTAs than SMs (N = 1): 2 warps,
         // twice the CTAs (the H200 sweep: 4.05 against 4.33 us at H = 12, N = 1); 4 for
@@ -1344,6 +1354,19 @@ mod tests {
             }
             assert_ne!(mv(&with_bulk(size, 511, false)), Some(TileMove::Bulk));
         }
+        // 2-byte K-first pools at 384-511 heads: whole heads in by bulk copies, out from
+        // registers; fp32 ones not
+        for heads in [384, 511] {
+            let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
+            assert_eq!(
+                (p.tile, p.warps),
+                (Some(TileMove::BulkIn), 8),
+                "{heads} heads"
+            );
+            assert_eq!(p.smem, (128 * 128 + 8 * 16) * 2);
+        }
+        assert_ne!(mv(&with_bulk(2, 383, false)), Some(TileMove::BulkIn));
+        assert_ne!(mv(&with_bulk(4, 384, false)), Some(TileMove::BulkIn));
         // fp32 V-first pools from 512 heads: 4-warp tiles in and out; V-first pools from 192
         // heads up to there: in by bulk copies, out from registers
         let p = eager_plan(&with_bulk(4, 512, true)).expect("plan");
