@@ -548,7 +548,7 @@ impl CudaBackend {
     /// fp32 and 2-byte V-first pools and for small 2-byte K-first calls (the smallest with
     /// `kda_eager_tile_staged`), the pipelined kernel for mid-size 2-byte K-first calls, and on
     /// a device with bulk copies `kda_eager_tile_bulk` for big K-first and fp32 V-first calls
-    /// and `kda_eager_tile_bulk_in` for mid-size V-first ones (`eager_plan`).
+    /// and `kda_eager_tile_bulk_in` for mid-size V-first and 2-byte K-first ones (`eager_plan`).
     pub fn set_eager_kernel(&self, kernel: Option<EagerKernel>) -> Result<()> {
         *self.eager_kernel.lock() = kernel;
         Ok(())
