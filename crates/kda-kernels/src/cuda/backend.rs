@@ -246,11 +246,8 @@ fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     }
     if e.heads >= BULK_FROM && (!e.v_first || e.state_size == 4) {
         Some(TileMove::Bulk)
-    } else if e.v_first && (BULK_IN_V_FIRST_FROM..BULK_FROM).contains(&e.heads) {
-        Some(TileMove::BulkIn)
-    } else if !e.v_first
-        && e.state_size == 2
-        && (BULK_IN_2_BYTE_K_FIRST_FROM..BULK_FROM).contains(&e.heads)
+    } else if (e.v_first && (BULK_IN_V_FIRST_FROM..BULK_FROM).contains(&e.heads))
+        || (e.state_size == 2 && (BULK_IN_2_BYTE_K_FIRST_FROM..BULK_FROM).contains(&e.heads))
     {
         Some(TileMove::BulkIn)
     } else {
