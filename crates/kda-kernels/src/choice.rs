@@ -16,7 +16,8 @@ pub enum EagerKernel {
     StagedTile,
     /// `kda_eager_tile_bulk`: the tile kernel with its state tile moved in and out by bulk
     /// copies (`cp.async.bulk`, sm_90 and later) through shared memory, one instruction per
-    /// contiguous block instead of per-lane loads and stores; same bits.
+    /// contiguous block instead of per-lane loads and stores; same bits. (Forced on an older
+    /// GPU, plain copies by the issuing lanes stand in: same bits, slow.)
     BulkTile,
     /// `kda_eager_tile_bulk_in`: `BulkTile` with its updated tile stored from registers, as
     /// `Tile` does; same bits.
