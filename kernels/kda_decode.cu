@@ -1659,35 +1659,30 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     }
     float o[TV];
     token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
-    if constexpr (BULK_OUT) {
-        const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
-        // into the bulk tile where it came from (the stochastic stream's offsets are the
-        // head's: elem0 moved to the item's first column), then out by bulk copies
-        if (col0l < cwv) {
-            if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
-            const kda_u32 belem0 = elem0 + (kda_u32)(VFIRST ? it.cb * K : it.cb);
-            if (p.sr) {
-                const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-                store_tile<true>(bl, lk, col0l, s, kda_sr_base(seed, p.layer, slot, p.epoch), belem0, cw);
-            } else {
-                store_tile<false>(bl, lk, col0l, s, 0u, belem0, cw);
-            }
+    if (!BULK_OUT && col0l >= cwv) return;
+    if (col0l < cwv) {
+        if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
+        // BULK_OUT: into the bulk tile where it came from (columns relative to the item's
+        // first; the stochastic stream's offsets stay the head's: elem0 moved to that column),
+        // then out by bulk copies below
+        ST* const dst = BULK_OUT ? bl : head;
+        const int dcol = BULK_OUT ? col0l : col0;
+        const kda_u32 elem0 =
+            (kda_u32)hv * (kda_u32)(K * V) + (BULK_OUT ? (kda_u32)(VFIRST ? it.cb * K : it.cb) : 0u);
+        const int rs = BULK_OUT ? cw : V;
+        if (p.sr) {
+            const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+            store_tile<true>(dst, lk, dcol, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0, rs);
+        } else {
+            store_tile<false>(dst, lk, dcol, s, 0u, elem0, rs);
         }
+    }
+    if constexpr (BULK_OUT) {
         bulk_fence();
         __syncthreads();
         if (warp == 0) {
             tile_bulk<false>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
             bulk_out_done();
-        }
-    } else {
-        if (col0l >= cwv) return;
-        if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
-        const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
-        if (p.sr) {
-            const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
-        } else {
-            store_tile<false>(head, lk, col0, s, 0u, elem0);
         }
     }
 }
