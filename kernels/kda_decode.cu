@@ -1461,6 +1461,10 @@ __device__ __forceinline__ void tile_from_words(const kda_u32 (&w)[TW], float (&
     }
 }
 
+// p.early of a dependent launch whose tile kernel loads its tile from the slot it read before
+// the wait (1: it reads the slot again after the wait; the host's `EagerPlan::slot_once`).
+constexpr kda_u32 EARLY_SLOT_ONCE = 2u;
+
 // How a one-item-per-CTA eager kernel moves its state tile (the host's `TileMove`).
 constexpr int MOVE_DIRECT = 0; // global memory <-> registers
 constexpr int MOVE_STAGED = 1; // in through shared memory by cp.async, out from registers
@@ -1526,10 +1530,17 @@ __device__ __forceinline__ void tile_bulk(ST* t, ST* head, int cb, int cw, int c
 // the gates, values and beta, each role's loads in the same registers; with fewer warps they
 // are loaded after the tile and split as in eager_run, by eager_activate). The same functions
 // as eager_run and kda_step, so the same bits.
+// A dependent launch reads the item's slot before its wait (early_slot: the slots are the
+// host's) for the L2 prefetch. With p.early == EARLY_SLOT_ONCE the tile is loaded from that slot
+// too; otherwise the slot is read again after the wait, which puts one more L2 round trip into
+// the CTA's chain but measured faster for some K-first shapes (`slot_once_for` in backend.rs).
+// fp32 K-first bulk tiles always read it again (SLOT_AGAIN), compiled so: as a runtime choice
+// the branch alone cost them 0.2-0.9% on the H200.
 template <int MOVE>
 __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     constexpr bool STAGED = MOVE == MOVE_STAGED, BULK = MOVE == MOVE_BULK || MOVE == MOVE_BULK_IN;
     constexpr bool BULK_OUT = MOVE == MOVE_BULK;
+    constexpr bool SLOT_AGAIN = BULK && !VFIRST && sizeof(ST) == 4;
     extern __shared__ __align__(16) unsigned char eager_dsm[];
     __shared__ kda_u64 bulk_bar;
     __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
@@ -1538,8 +1549,12 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int lk = lane / LV, lv = lane % LV;
     const int cw = nwarps * WC;
     const kda_u32 item = blockIdx.x;
+    kda_u32 slot = 0u;
 #if KDA_GRID_DEPENDENCY
-    if (p.early != 0u) prefetch_item(p, item, early_slot(p, eager_seq(p, item)), cw);
+    if (p.early != 0u) {
+        slot = early_slot(p, eager_seq(p, item));
+        prefetch_item(p, item, slot, cw);
+    }
 #endif
     KDA_DEPENDENT_LAUNCH();
     if (item == 0 && threadIdx.x == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
@@ -1588,7 +1603,8 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         }
     }
 
-    const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
+    if (SLOT_AGAIN || !KDA_GRID_DEPENDENCY || p.early != EARLY_SLOT_ONCE)
+        slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
     ST* head = state_head(p, slot, hv);
     const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
     float s[TK][TV];

@@ -193,6 +193,31 @@ struct EagerPlan {
     stage_store: bool,
     /// `Some`: a tile kernel runs the items instead (one per CTA), moving its tile this way.
     tile: Option<TileMove>,
+    /// Whether a tile kernel in a dependent launch loads its tile from the slot it read before
+    /// its wait (for the L2 prefetch) instead of reading it again after the wait
+    /// (`slot_once_for`).
+    slot_once: bool,
+}
+
+/// Value heads of a call for which a 2-byte K-first pool's tile kernel reads its slot again
+/// after a dependent launch's wait (H200, docs/performance.md, seventeenth session: reading it
+/// once was 0-4% slower at 192-1024 heads, 1-5% faster below and from 1536).
+const SLOT_AGAIN_2_BYTE_K_FIRST: std::ops::Range<usize> = 192..WHOLE_HEAD_FROM;
+
+/// Whether a tile kernel moving its tile by `tile` loads it from the slot read before a
+/// dependent launch's wait. H200 (docs/performance.md, seventeenth session): the read after the
+/// wait put an L2 round trip into every CTA's chain (ncu: 15-16% of the stall samples at 8192
+/// heads); reading once was 1-5% faster on V-first pools (every size), fp32 K-first pools
+/// without bulk copies and 2-byte K-first pools outside `SLOT_AGAIN_2_BYTE_K_FIRST`. fp32
+/// K-first bulk tiles (whole heads, their bulk copies then right behind the L2 prefetch of the
+/// same 64 KB) were 1-7% slower.
+fn slot_once_for(e: &EagerShape, tile: Option<TileMove>) -> bool {
+    let bulk = matches!(tile, Some(TileMove::Bulk | TileMove::BulkIn));
+    e.v_first
+        || match e.state_size {
+            2 => !SLOT_AGAIN_2_BYTE_K_FIRST.contains(&e.heads),
+            _ => !bulk,
+        }
 }
 
 /// Items per SM up to which a 2-byte K-first pool decodes with `kda_eager_tile` (H200 sweep,
@@ -367,6 +392,7 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
             tile,
+            slot_once: tile.is_some() && slot_once_for(e, tile),
         })
 }
 
@@ -977,7 +1003,16 @@ impl CudaBackend {
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
-            early: u32::from(dependent),
+            early: match (dependent, pipe) {
+                (false, _) => 0,
+                (
+                    true,
+                    Some(EagerPlan {
+                        slot_once: true, ..
+                    }),
+                ) => 2,
+                (true, _) => 1,
+            },
             ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
             ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
             div_seq: FastDiv::new((units * vblocks) as u32),
@@ -1391,6 +1426,53 @@ mod tests {
         let mut e = with_bulk(4, 8192, false);
         e.fixed_warps = Some(4);
         assert_eq!(mv(&e), Some(TileMove::Direct));
+    }
+
+    #[test]
+    fn eager_plan_reads_the_slot_once_where_it_measured_faster() {
+        let once = |size, heads, v_first| {
+            let e = EagerShape {
+                bulk: true,
+                ..shape(size, heads, v_first)
+            };
+            eager_plan(&e).expect("plan").slot_once
+        };
+        // V-first pools: every size and tile move
+        for size in [4, 2] {
+            for heads in [12, 192, 512, 768, 8192] {
+                assert!(
+                    once(size, heads, true),
+                    "{size}-byte V-first, {heads} heads"
+                );
+            }
+        }
+        // fp32 K-first pools: not with bulk copies (whole heads from 512)
+        for heads in [12, 192, 511] {
+            assert!(once(4, heads, false), "fp32 K-first, {heads} heads");
+        }
+        assert!(!once(4, 512, false));
+        assert!(!once(4, 8192, false));
+        // 2-byte K-first pools: below 192 heads and from 1536
+        for (heads, expected) in [
+            (96, true),
+            (191, true),
+            (192, false),
+            (384, false),
+            (768, false),
+            (1535, false),
+            (1536, true),
+            (8192, true),
+        ] {
+            assert_eq!(
+                once(2, heads, false),
+                expected,
+                "2-byte K-first, {heads} heads"
+            );
+        }
+        // the pipelined kernel has no such choice
+        let mut e = shape(2, 768, true);
+        e.kernel = Some(EagerKernel::Pipelined);
+        assert!(!eager_plan(&e).expect("plan").slot_once);
     }
 
     #[test]

@@ -59,8 +59,10 @@ pub(crate) struct KdaParams {
     pub stages: u32,
     /// `kda_ring`: token rows per stage (ring length + most new tokens of a sequence).
     pub ring_mt: u32,
-    /// 1 for a programmatic dependent launch: the eager and ring kernels prefetch their first
-    /// items' state tiles into L2 before `griddepcontrol.wait` (0 otherwise).
+    /// Nonzero for a programmatic dependent launch: the eager and ring kernels prefetch their
+    /// first items' state tiles into L2 before `griddepcontrol.wait` (0 otherwise); 2: the
+    /// eager tile kernels also load the tile from the slot read for that prefetch
+    /// (`EARLY_SLOT_ONCE`), 1: they read the slot again after the wait.
     pub early: u32,
     /// `kda_ring`: bytes per asynchronous copy of a token row (4, 8 or 16).
     pub ring_gran: u32,
