@@ -355,8 +355,9 @@ fn check_fast_eager_kernels_match_the_general_one(
 fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
     let Some(cu) = cuda() else { return };
     // 48 sequences x 8 value heads: more items than pipelined CTAs, so each of them loops and
-    // prefetches; in a dependent launch the tile kernels of 2-byte K-first pools read their
-    // slot again after the wait at 384 heads, the others use the one read before it (slot_once)
+    // prefetches; in a dependent launch the tile kernels of 2-byte K-first pools (384 heads)
+    // and fp32 K-first bulk tiles read their slot again after the wait, the others use the one
+    // read before it (slot_once)
     let n = 48;
     let slots: Vec<u32> = (0..n as u32).map(|i| 3 * i + 2).collect();
     for state in Dtype::ALL {

@@ -201,13 +201,14 @@ struct EagerPlan {
 
 /// Value heads of a call for which a 2-byte K-first pool's tile kernel reads its slot again
 /// after a dependent launch's wait (H200, docs/performance.md, seventeenth session: reading it
-/// once was 0-4% slower at 192-1024 heads, 1-5% faster below and from 1536).
+/// once was up to 4% slower at 192-1024 heads (11 of 12 rows), 1-5% faster below and from
+/// 1536).
 const SLOT_AGAIN_2_BYTE_K_FIRST: std::ops::Range<usize> = 192..WHOLE_HEAD_FROM;
 
 /// Whether a tile kernel moving its tile by `tile` loads it from the slot read before a
 /// dependent launch's wait. H200 (docs/performance.md, seventeenth session): the read after the
 /// wait put an L2 round trip into every CTA's chain (ncu: 15-16% of the stall samples at 8192
-/// heads); reading once was 1-5% faster on V-first pools (every size), fp32 K-first pools
+/// heads); reading once was up to 6% faster on V-first pools (every size), fp32 K-first pools
 /// without bulk copies and 2-byte K-first pools outside `SLOT_AGAIN_2_BYTE_K_FIRST`. fp32
 /// K-first bulk tiles (whole heads, their bulk copies then right behind the L2 prefetch of the
 /// same 64 KB) were 1-7% slower.
