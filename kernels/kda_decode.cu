@@ -1462,7 +1462,8 @@ __device__ __forceinline__ void tile_from_words(const kda_u32 (&w)[TW], float (&
 }
 
 // p.early of a dependent launch whose tile kernel loads its tile from the slot it read before
-// the wait (1: it reads the slot again after the wait; the host's `EagerPlan::slot_once`).
+// the wait (EARLY_PREFETCH, 1: it reads the slot again after the wait); the host's
+// `EARLY_SLOT_ONCE` in params.rs, chosen by `EagerPlan::slot_once`.
 constexpr kda_u32 EARLY_SLOT_ONCE = 2u;
 
 // How a one-item-per-CTA eager kernel moves its state tile (the host's `TileMove`).

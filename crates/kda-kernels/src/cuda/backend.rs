@@ -22,7 +22,8 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding
 
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{
-    FastDiv, KdaParams, OpCode, ERR_ACCEPTED, ERR_DECODE_DRAFTS, ERR_META, NO_SLOT,
+    FastDiv, KdaParams, OpCode, EARLY_PREFETCH, EARLY_SLOT_ONCE, ERR_ACCEPTED, ERR_DECODE_DRAFTS,
+    ERR_META, NO_SLOT,
 };
 use super::registry::{
     eager_kernel, eager_tile_kernel, ring_kernel, step_kernel, warm_up, StepKey, TileMove,
@@ -1004,15 +1005,10 @@ impl CudaBackend {
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
-            early: match (dependent, pipe) {
+            early: match (dependent, pipe.is_some_and(|pl| pl.slot_once)) {
                 (false, _) => 0,
-                (
-                    true,
-                    Some(EagerPlan {
-                        slot_once: true, ..
-                    }),
-                ) => 2,
-                (true, _) => 1,
+                (true, false) => EARLY_PREFETCH,
+                (true, true) => EARLY_SLOT_ONCE,
             },
             ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
             ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),

@@ -17,6 +17,12 @@ pub(crate) const ERR_META: u32 = 4;
 /// "No slot recorded" in the error word.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 
+/// `KdaParams::early` of a dependent launch (`EARLY_*` of `kda_decode.cu`): the tile kernels
+/// read the slot again after the wait (`EARLY_PREFETCH`) or load the tile from the slot read
+/// for the prefetch (`EARLY_SLOT_ONCE`).
+pub(crate) const EARLY_PREFETCH: u32 = 1;
+pub(crate) const EARLY_SLOT_ONCE: u32 = 2;
+
 /// `struct KdaParams` of `kda_decode.cu`: device pointers (0 when absent) then 32-bit fields.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -60,9 +66,8 @@ pub(crate) struct KdaParams {
     /// `kda_ring`: token rows per stage (ring length + most new tokens of a sequence).
     pub ring_mt: u32,
     /// Nonzero for a programmatic dependent launch: the eager and ring kernels prefetch their
-    /// first items' state tiles into L2 before `griddepcontrol.wait` (0 otherwise); 2: the
-    /// eager tile kernels also load the tile from the slot read for that prefetch
-    /// (`EARLY_SLOT_ONCE`), 1: they read the slot again after the wait.
+    /// first items' state tiles into L2 before `griddepcontrol.wait` (0 otherwise):
+    /// `EARLY_PREFETCH` or `EARLY_SLOT_ONCE`.
     pub early: u32,
     /// `kda_ring`: bytes per asynchronous copy of a token row (4, 8 or 16).
     pub ring_gran: u32,
