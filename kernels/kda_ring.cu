@@ -569,3 +569,224 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2]);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode, spec_verify and replay over the replay ring, one item per CTA (kda_ring_tile): the
+// default for spec_verify with 4 or more new tokens per sequence, or of an fp32 pool, where it
+// measured faster than kda_ring (`ring_choice` in backend.rs; docs/performance.md, eighteenth
+// session). An item is kda_ring's (sequence, value head, block of RCW columns), item =
+// blockIdx.x, and the grid covers the items: two CTAs per SM keep each other's loads in flight
+// instead of a pipeline. The state tile goes straight into registers while thread 0 reads the
+// ring record and the new tokens' rows are copied (cp.async); the pending entries' rows follow
+// once the plan is known. Then the keys and queries are activated a warp per row, the decays and
+// values over all threads, and each warp steps its columns through the tokens with kda_step's
+// token step: the same bits. Nearest rounding only, as kda_ring.
+// Ring data as in kda_ring: without a commit each CTA appends its part of the new entries; a
+// commit's entries are written by the CTA that arrives last on the slot's counter (each CTA
+// arrives once its ring reads are done, and looks at the result at its end), which also writes
+// the new record.
+namespace kda {
+
+// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs): mt raw
+// token rows of tokb bytes (k and g: RK each, then v of the item's columns; new token j at row j,
+// pending entry t at row mq + t), the new tokens' raw queries [mq][RK], dt_bias (f32 [K]), then
+// f32 arrays: ka, da [mt][KS] (activated keys, decays; by combined token), qa [mq][KS] (queries),
+// va [mt][RCW] (values), beta [mt].
+struct RingTileLayout {
+    int tokb, qrow, bias, ka, da, qa, va, sbeta, bytes;
+    __device__ __forceinline__ RingTileLayout(int mt, int mq) {
+        tokb = 2 * RK + round16(RCW * (int)sizeof(IT));
+        qrow = mt * tokb;
+        bias = qrow + mq * RK;
+        ka = bias + round16(K * 4);
+        da = ka + 4 * mt * KS;
+        qa = da + 4 * mt * KS;
+        va = qa + 4 * mq * KS;
+        sbeta = va + 4 * mt * RCW;
+        bytes = sbeta + round16(4 * mt);
+    }
+};
+
+} // namespace kda
+
+extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const KdaParams p) {
+    using namespace kda;
+    extern __shared__ __align__(16) unsigned char dsm[];
+    __shared__ Plan s_plan;
+    __shared__ float s_aexp;
+    __shared__ kda_u32 s_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lk = lane / LV, lv = lane % LV;
+    const kda_u32 item = blockIdx.x;
+    const kda_u32 per_seq = p.hv * p.vblocks;
+    const kda_u32 n = kda_div(item, p.div_seq);
+    const kda_u32 rem = item - n * per_seq;
+    const int hv = (int)kda_div(rem, p.div_vb);
+    const int cb = (int)(rem - (kda_u32)hv * p.vblocks) * RCW;
+    const int cwv = cmin(RCW, V - cb);
+    // the slots are the host's: read before the wait (early_slot)
+    const kda_u32 slot = early_slot(p, n);
+#if KDA_GRID_DEPENDENCY
+    if (p.early != 0u) prefetch_tile(state_head(p, slot, hv), cb, cwv);
+#endif
+    KDA_DEPENDENT_LAUNCH();
+    const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
+    const int mq = (int)p.ring_mq;
+    kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
+    if (threadIdx.x == 0) {
+        const RingRec r = ring_rec_load(p, item, slot);
+        s_plan = plan_from(p, slot, r.b1 - r.b0, r.len, r.pend, r.acc, reinterpret_cast<kda_u32*>(p.err),
+                           hv == 0 && cb == 0);
+    }
+    // (in shared memory: a register of every thread across the tile's loads spilled; on another
+    // warp than the plan's, so neither load waits for the other)
+    if (threadIdx.x == 32) s_aexp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
+    const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
+    const int h = (int)kda_div((kda_u32)hv, p.div_grp);
+    const int group = (int)(p.hv / p.h);
+
+    // the tile's loads
+    ST* head = state_head(p, slot, (size_t)hv);
+    const int col0l = warp * WC + lv * TV, col0 = cb + col0l;
+    float s[TK][TV];
+    kda_u32 w[TW];
+    if constexpr (TILE_WORDS) {
+        load_tile_words(head, lk, col0l < cwv ? col0 : V, w);
+    } else {
+        load_tile(head, lk, col0l < cwv ? col0 : V, s);
+    }
+    // the new tokens' rows (they do not depend on the plan): q, k, g, v of token j at rows
+    // 4 j .. 4 j + 3 of the copy list, one warp per row; dt_bias
+    const int gran = (int)p.ring_gran;
+    for (int r = warp; r < 4 * (int)nnew; r += RT / 32) {
+        const int j = r >> 2, part = r & 3;
+        const size_t tok = bos + (size_t)j;
+        const IT* src;
+        unsigned char* dst;
+        int bytes = K * (int)sizeof(IT);
+        if (part == 0) {
+            src = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
+            dst = dsm + L.qrow + j * RK;
+        } else if (part == 1) {
+            src = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
+            dst = dsm + j * L.tokb;
+        } else if (part == 2) {
+            src = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K;
+            dst = dsm + j * L.tokb + RK;
+        } else {
+            src = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V + cb;
+            dst = dsm + j * L.tokb + 2 * RK;
+            bytes = cwv * (int)sizeof(IT);
+        }
+        copy_row(dst, src, bytes, gran, lane);
+    }
+    if (p.gate_mode != 0u && (int)threadIdx.x < K / 4) {
+        const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
+        cp_async16(dsm + L.bias + 16 * threadIdx.x, bias + 4 * threadIdx.x);
+    }
+    cp_async_commit();
+    __syncthreads();
+    const Plan pl = s_plan;
+    const int pend = (int)pl.pend, ntok = pend + (int)nnew;
+    const bool store = pl.store_after != KDA_NONE;
+    const bool work = nnew > 0 || store;
+    const size_t entry = ring_entry_elems(p);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    if (work) {
+        // the pending entries' rows: k, g, v at rows mq + t
+        for (int r = warp; r < 3 * pend; r += RT / 32) {
+            const int t = r / 3, part = r - 3 * t;
+            const IT* e = ring + (size_t)t * entry;
+            unsigned char* dst = dsm + (mq + t) * L.tokb + part * RK;
+            const IT* src = part == 0 ? e + (size_t)h * K : part == 1 ? e + ring_off_g(p, hv) : e + ring_off_v(p, hv) + cb;
+            copy_row(dst, src, part == 2 ? cwv * (int)sizeof(IT) : K * (int)sizeof(IT), gran, lane);
+        }
+        cp_async_commit();
+        // betas, activated (thread t: combined token t)
+        float* sbeta = reinterpret_cast<float*>(dsm + L.sbeta);
+        if ((int)threadIdx.x < ntok) {
+            const int t = (int)threadIdx.x;
+            const IT* b = t < pend ? ring + (size_t)t * entry + ring_off_beta(p, hv)
+                                   : reinterpret_cast<const IT*>(p.beta) + (bos + (size_t)(t - pend)) * p.hv + hv;
+            sbeta[t] = act_beta(kda_load(*b), p);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // every ring read of this CTA is done: arrive (the result is looked at at the end)
+    kda_u32 old = 0u;
+    if (threadIdx.x == 0) old = atomicAdd(meta + 2, 1u);
+    if (work) {
+        // activations: keys (combined token t from raw row t < pend ? mq + t : t - pend) and
+        // queries a warp per row; decays and values over all threads
+        float* ka = reinterpret_cast<float*>(dsm + L.ka);
+        float* da = reinterpret_cast<float*>(dsm + L.da);
+        float* qa = reinterpret_cast<float*>(dsm + L.qa);
+        float* va = reinterpret_cast<float*>(dsm + L.va);
+        const float* bias = reinterpret_cast<const float*>(dsm + L.bias);
+        const float a_exp = s_aexp;
+        auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
+        for (int u = warp; u < ntok + (int)nnew; u += RT / 32) {
+            if (u < ntok) {
+                act_row(reinterpret_cast<const IT*>(raw(u)), ka + u * KS, p.l2norm != 0u, false, p.scale, lane);
+                for (int kk = K + lane; kk < KS; kk += 32) ka[u * KS + kk] = 0.0f;
+            } else {
+                const int f = u - ntok;
+                act_row(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true,
+                        p.scale, lane);
+                for (int kk = K + lane; kk < KS; kk += 32) qa[f * KS + kk] = 0.0f;
+            }
+        }
+        for (int i = (int)threadIdx.x; i < ntok * KS; i += RT) {
+            const int t = i / KS, kk = i - t * KS;
+            da[i] = kk < K ? decay_of(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
+        }
+        for (int i = (int)threadIdx.x; i < ntok * RCW; i += RT) {
+            const int t = i / RCW, c = i - t * RCW;
+            va[i] = c < cwv ? kda_load(reinterpret_cast<const IT*>(raw(t) + 2 * RK)[c]) : 0.0f;
+        }
+        __syncthreads();
+        if constexpr (TILE_WORDS) tile_from_words(w, s);
+        const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
+        const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+        for (int t = 0; t < ntok; ++t) {
+            const bool fresh = t >= pend;
+            float o[TV];
+            token_step<true>(s, ka + t * KS, da + t * KS, qa + (fresh ? t - pend : 0) * KS, va + t * RCW + col0l,
+                             cwv - col0l, sbeta[t], lk, fresh, o);
+            if (fresh && lk == 0 && col0l < cwv) {
+                const size_t tok = bos + (size_t)(t - pend);
+                store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
+            }
+            if ((kda_u32)t + 1 == pl.store_after && col0l < cwv) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
+        }
+        // no commit: this CTA's part of the new entries (rows past the pending entries: no CTA
+        // of this call reads them): v of its columns; g and beta from the head's first block; k
+        // from the group's first value head
+        if (!store && pl.append_at != KDA_NONE && nnew > 0) {
+            for (int r = warp; r < 3 * (int)nnew; r += RT / 32) {
+                const int j = r / 3, part = r - 3 * j; // 0: k and beta, 1: g, 2: v
+                if (part < 2 && cb != 0) continue;
+                IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + pl.append_at + (kda_u32)j) * entry;
+                if (part == 0 && lane == 0)
+                    e[ring_off_beta(p, hv)] = reinterpret_cast<const IT*>(p.beta)[(bos + (size_t)j) * p.hv + hv];
+                if (part == 0 && hv != h * group) continue;
+                store_row(e + (part == 0 ? (size_t)h * K : part == 1 ? ring_off_g(p, hv) : ring_off_v(p, hv) + cb),
+                          dsm + j * L.tokb + part * RK, (part == 2 ? cwv : K) * (int)sizeof(IT), gran, lane);
+            }
+        }
+    }
+    // the last CTA of the slot to arrive: the new record, and a commit's new entries
+    if (threadIdx.x == 0) {
+        const bool last = old == per_seq - 1;
+        if (last) {
+            meta[0] = pl.new_len;
+            meta[1] = pl.new_pending;
+            meta[2] = 0u;
+        }
+        s_last = last && store && pl.append_at != KDA_NONE && nnew > 0;
+    }
+    __syncthreads();
+    if (s_last) ring_commit_copy(p, slot, bos, nnew);
+}

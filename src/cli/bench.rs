@@ -21,12 +21,21 @@ use std::io::Write;
 
 use kda_kernels::cuda::{CudaBackend, CudaBatch, CudaBuffer};
 use kda_kernels::{
-    Backend, BatchPlan, BetaMode, EagerKernel, GateMode, IndexView, KdaOptions, StepInputs,
+    Backend, BatchPlan, BetaMode, EagerKernel, GateMode, IndexView, KdaOptions, RingKernel,
+    StepInputs,
 };
 use kda_kernels::{TensorView, TensorViewMut};
 use state_pool::{DeviceMemory, Dtype, LayerPlanes, PoolGeometry, Rounding, StateLayout};
 
 use super::CliError;
+
+/// The ring kernels each ring case is also timed with, forced, and their rows' suffixes
+/// (`decode-piped`, `spec-tile`, `replay-step`, ...).
+const RING_ROWS: [(&str, RingKernel); 3] = [
+    ("piped", RingKernel::Pipelined),
+    ("tile", RingKernel::Tile),
+    ("step", RingKernel::Step),
+];
 
 /// Arguments of `kda-pool bench`.
 #[derive(Debug, clap::Args)]
@@ -682,13 +691,14 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let us = b.time(&mut s, kind, None)?;
                                 let bytes = sb + sb / l as f64 + eb * ((l + 1) as f64 / 2.0 + 1.0);
                                 b.record("decode", h, n, 1, l, state, layout, sets, us, bytes)?;
-                                // each ring kernel, same run: kda_ring, kda_step
-                                for (op, on) in [("decode-piped", true), ("decode-step", false)] {
-                                    be.set_ring_pipelined(Some(on)).map_err(kerr)?;
+                                // each ring kernel, same run: kda_ring, kda_ring_tile, kda_step
+                                for (op, k) in RING_ROWS {
+                                    be.set_ring_kernel(Some(k)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;
-                                    b.record(op, h, n, 1, l, state, layout, sets, us, bytes)?;
+                                    let op = format!("decode-{op}");
+                                    b.record(&op, h, n, 1, l, state, layout, sets, us, bytes)?;
                                 }
-                                be.set_ring_pipelined(None).map_err(kerr)?;
+                                be.set_ring_kernel(None).map_err(kerr)?;
                             }
                         }
                         Kind::Spec => {
@@ -708,18 +718,19 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 be.check_device_errors().map_err(kerr)?;
                                 let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                 let mut each = Vec::new();
-                                for on in [true, false] {
-                                    be.set_ring_pipelined(Some(on)).map_err(kerr)?;
+                                for (_, k) in RING_ROWS {
+                                    be.set_ring_kernel(Some(k)).map_err(kerr)?;
                                     each.push(b.time(&mut s, kind, Some(&acc_buf))?);
                                 }
-                                be.set_ring_pipelined(None).map_err(kerr)?;
+                                be.set_ring_kernel(None).map_err(kerr)?;
                                 let (store_frac, folded) = simulate_spec(&acc, t, l, 64);
                                 let (sb, eb) = (s.state_bytes(), s.entry_bytes());
                                 let sets = s.batches.len();
                                 let bytes = sb * (1.0 + store_frac) + eb * (folded + t as f64);
                                 b.record("spec", h, n, t, l, state, layout, sets, us, bytes)?;
-                                for (op, us) in [("spec-piped", each[0]), ("spec-step", each[1])] {
-                                    b.record(op, h, n, t, l, state, layout, sets, us, bytes)?;
+                                for ((op, _), us) in RING_ROWS.iter().zip(each) {
+                                    let op = format!("spec-{op}");
+                                    b.record(&op, h, n, t, l, state, layout, sets, us, bytes)?;
                                 }
                             }
                         }
@@ -754,14 +765,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     })
                                     .map_err(kerr)?;
                                 let only = be.time_graph(&g_reset, 3, b.replays).map_err(kerr)?;
-                                // the default kernel, then each ring kernel (kda_ring, kda_step),
-                                // same run; a graph keeps the kernel chosen at its capture
-                                for (op, on) in [
-                                    ("replay", None),
-                                    ("replay-piped", Some(true)),
-                                    ("replay-step", Some(false)),
-                                ] {
-                                    be.set_ring_pipelined(on).map_err(kerr)?;
+                                // the default kernel, then each ring kernel (kda_ring,
+                                // kda_ring_tile, kda_step), same run; a graph keeps the kernel
+                                // chosen at its capture
+                                let rows = std::iter::once(("replay".to_string(), None)).chain(
+                                    RING_ROWS
+                                        .iter()
+                                        .map(|&(op, k)| (format!("replay-{op}"), Some(k))),
+                                );
+                                for (op, k) in rows {
+                                    be.set_ring_kernel(k).map_err(kerr)?;
                                     let g_both = be
                                         .capture(|| {
                                             for set in 0..sets {
@@ -776,7 +789,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     be.check_device_errors().map_err(kerr)?;
                                     let us = (both - only) / sets as f64;
                                     b.record(
-                                        op,
+                                        &op,
                                         h,
                                         n,
                                         0,
@@ -788,7 +801,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                         2.0 * sb + eb * l as f64,
                                     )?;
                                 }
-                                be.set_ring_pipelined(None).map_err(kerr)?;
+                                be.set_ring_kernel(None).map_err(kerr)?;
                             }
                         }
                     }

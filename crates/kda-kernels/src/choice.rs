@@ -25,3 +25,18 @@ pub enum EagerKernel {
     /// The general kernel of every operation, one item per CTA (`kda_step`).
     Step,
 }
+
+/// The kernels of calls with a ring (decode, spec_verify and replay over the replay ring). All
+/// give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingKernel {
+    /// Persistent CTAs of 8 warps that copy the next item's token rows and state tile into
+    /// shared memory while they compute the current one (`kda_ring`), where the call fits it.
+    Pipelined,
+    /// One item (sequence, value head, 8 warps' columns) per CTA, its state tile straight into
+    /// registers (`kda_ring_tile`), where the call fits it.
+    Tile,
+    /// The general kernel of every operation, one q/k head with its value heads per CTA
+    /// (`kda_step`).
+    Step,
+}

@@ -7,7 +7,7 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry};
 use crate::api::{
     Backend, BatchPlan, IndexView, KdaOptions, StepInputs, TensorView, TensorViewMut,
 };
-use crate::choice::EagerKernel;
+use crate::choice::{EagerKernel, RingKernel};
 use crate::error::{KernelError, Result};
 
 /// Stand-in for the CUDA backend (uninhabited: [`CudaBackend::new`] always fails).
@@ -143,8 +143,8 @@ impl CudaBackend {
     pub fn set_eager_kernel(&self, _kernel: Option<EagerKernel>) -> Result<()> {
         match *self {}
     }
-    /// Chooses the kernel of calls with a ring (pipelined `kda_ring` or one unit per CTA).
-    pub fn set_ring_pipelined(&self, _on: Option<bool>) -> Result<()> {
+    /// Chooses the kernel of calls with a ring (`None`: per call, from its shape).
+    pub fn set_ring_kernel(&self, _kernel: Option<RingKernel>) -> Result<()> {
         match *self {}
     }
     /// Chooses whether the kernels launch as programmatic dependent launches.

@@ -23,6 +23,6 @@ pub use api::{
     Backend, BatchPlan, BetaMode, CuSeqlens, GateMode, IndexView, KdaOptions, StepInputs,
     TensorView, TensorViewMut,
 };
-pub use choice::EagerKernel;
+pub use choice::{EagerKernel, RingKernel};
 pub use cpu::CpuBackend;
 pub use error::{KernelError, Result};

@@ -22,7 +22,7 @@ use kda_kernels::testing::{
     DeviceInputs, HostInputs, TestLayer, TokenOp,
 };
 use kda_kernels::{
-    Backend, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, TensorViewMut,
+    Backend, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, RingKernel, TensorViewMut,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -697,33 +697,54 @@ fn check_choice_agrees(
     stores
 }
 
+/// The pipelined ring kernel `kda_ring` against `kda_step` (a [`Choice`]).
+fn pipelined_or_step(cu: &CudaBackend, on: Option<bool>) -> kda_kernels::Result<()> {
+    cu.set_ring_kernel(on.map(|p| {
+        if p {
+            RingKernel::Pipelined
+        } else {
+            RingKernel::Step
+        }
+    }))
+}
+
+/// The one-item-per-CTA ring kernel `kda_ring_tile` against `kda_step` (a [`Choice`]).
+fn tile_or_step(cu: &CudaBackend, on: Option<bool>) -> kda_kernels::Result<()> {
+    cu.set_ring_kernel(on.map(|t| {
+        if t {
+            RingKernel::Tile
+        } else {
+            RingKernel::Step
+        }
+    }))
+}
+
 #[test]
-fn cuda_pipelined_ring_kernel_equals_the_one_unit_per_cta_kernel_bit_for_bit() {
+fn cuda_pipelined_and_tile_ring_kernels_equal_the_one_unit_per_cta_kernel_bit_for_bit() {
     let Some(cu) = cuda() else { return };
-    for state in Dtype::ALL {
-        for (h, hv, k, v, input, ring_len, layout) in [
-            (2, 4, 128, 128, Dtype::Bf16, 8, StateLayout::KFirst),
-            (2, 4, 128, 128, Dtype::Fp32, 4, StateLayout::VFirst),
-            (2, 6, 32, 96, Dtype::Fp16, 1, StateLayout::KFirst),
-            (4, 4, 128, 128, Dtype::Fp16, 12, StateLayout::KFirst),
-            // two column blocks per value head; 4-byte ring rows
-            (2, 2, 128, 256, Dtype::Bf16, 4, StateLayout::KFirst),
-        ] {
-            let mut c = case(h, hv, k, v, state, input, layout, ring_len);
-            if ring_len == 1 {
-                c.opts.gate = GateMode::LowerBound(-4.0);
-                c.opts.allow_neg_eigval = true;
+    for (kernel, choice) in [
+        ("kda_ring", pipelined_or_step as Choice),
+        ("kda_ring_tile", tile_or_step),
+    ] {
+        for state in Dtype::ALL {
+            for (h, hv, k, v, input, ring_len, layout) in [
+                (2, 4, 128, 128, Dtype::Bf16, 8, StateLayout::KFirst),
+                (2, 4, 128, 128, Dtype::Fp32, 4, StateLayout::VFirst),
+                (2, 6, 32, 96, Dtype::Fp16, 1, StateLayout::KFirst),
+                (4, 4, 128, 128, Dtype::Fp16, 12, StateLayout::KFirst),
+                // two column blocks per value head; 4-byte ring rows
+                (2, 2, 128, 256, Dtype::Bf16, 4, StateLayout::KFirst),
+            ] {
+                let mut c = case(h, hv, k, v, state, input, layout, ring_len);
+                if ring_len == 1 {
+                    c.opts.gate = GateMode::LowerBound(-4.0);
+                    c.opts.allow_neg_eigval = true;
+                }
+                let stores = check_choice_agrees(&cu, &c, 24, 71 + ring_len as u64, choice);
+                eprintln!(
+                    "{kernel}: {state} {layout:?} H={h} HV={hv} K={k} V={v} {input} inputs ring {ring_len}: equal bits, {stores} calls stored"
+                );
             }
-            let stores = check_choice_agrees(
-                &cu,
-                &c,
-                24,
-                71 + ring_len as u64,
-                CudaBackend::set_ring_pipelined,
-            );
-            eprintln!(
-                "{state} {layout:?} H={h} HV={hv} K={k} V={v} {input} inputs ring {ring_len}: equal bits, {stores} calls stored"
-            );
         }
     }
 }

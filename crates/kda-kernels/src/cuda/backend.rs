@@ -26,13 +26,14 @@ use super::params::{
     ERR_META, NO_SLOT,
 };
 use super::registry::{
-    eager_kernel, eager_tile_kernel, ring_kernel, step_kernel, warm_up, StepKey, TileMove,
+    eager_kernel, eager_tile_kernel, ring_kernel, ring_tile_kernel, step_kernel, warm_up, StepKey,
+    TileMove,
 };
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
     TensorViewMut,
 };
-use crate::choice::EagerKernel;
+use crate::choice::{EagerKernel, RingKernel};
 use crate::cpu::validate::{check_accepted, check_layer, validate_call, CallArgs, Op};
 use crate::error::{KernelError, Result};
 
@@ -73,7 +74,7 @@ pub struct CudaBackend {
     /// Pipeline stages of the pipelined eager kernel (`None`: the default).
     eager_stages: Mutex<Option<usize>>,
     /// Whether calls with a ring use the pipelined kernel `kda_ring` (`None`: wherever it fits).
-    ring_pipelined: Mutex<Option<bool>>,
+    ring_kernel: Mutex<Option<RingKernel>>,
     /// Whether kernels launch as programmatic dependent launches (`None`: decode only).
     dependent_launch: Mutex<Option<bool>>,
     /// Whether the device has programmatic dependent launch (sm_90 and later; the kernels'
@@ -414,9 +415,11 @@ struct RingShape {
     smem_optin: usize,
 }
 
-/// A launch of `kda_ring`.
+/// A launch of `kda_ring` or `kda_ring_tile`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RingPlan {
+    /// `kda_ring_tile` (one item per CTA) rather than `kda_ring`.
+    tile: bool,
     /// Token rows per stage (ring length + most new tokens).
     mt: usize,
     /// Most new tokens of one sequence.
@@ -434,11 +437,12 @@ const RING_THREADS: usize = 256;
 /// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
 const RING_MAX_TOKENS: usize = 16;
 
-/// The launch of `kda_ring`, or `None` where the call does not fit it (stochastic rounding,
-/// tiles that are not whole 16-byte copies, token rows that are not whole 4-byte copies, too many
-/// tokens per item, too much shared memory): then `kda_step` runs. Mirrors `RingLayout` and the
-/// constants of `kernels/kda_ring.cu` (an item is eight warps of `kda_step`'s lane mapping).
-fn ring_plan(s: &RingShape) -> Option<RingPlan> {
+/// The launch of `kda_ring` (`tile` false) or `kda_ring_tile`, or `None` where the call does not
+/// fit them (stochastic rounding, tiles that are not whole 16-byte copies, token rows that are
+/// not whole 4-byte copies, too many tokens per item, too much shared memory): then `kda_step`
+/// runs. Mirrors `RingLayout`, `RingTileLayout` and the constants of `kernels/kda_ring.cu` (an
+/// item of either kernel is eight warps of `kda_step`'s lane mapping).
+fn ring_plan(s: &RingShape, tile: bool) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = (RING_THREADS / 32) * warp_columns(s.k);
     let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
@@ -460,16 +464,36 @@ fn ring_plan(s: &RingShape) -> Option<RingPlan> {
     }
     let ks = s.k.next_multiple_of(4);
     let tokb = 2 * r16(s.k * isz) + r16(cw * isz);
-    let stage = mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
-    let floats = (2 * mt + mq) * ks + mt * cw + 3 * RING_MAX_TOKENS;
-    let smem = r16(s.k * cw * s.state_size) + 2 * stage + 4 * floats + 16;
+    // token rows, raw queries, dt_bias: kda_ring has two stages of them, kda_ring_tile one
+    let rows = mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
+    let smem = if tile {
+        rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt)
+    } else {
+        let floats = (2 * mt + mq) * ks + mt * cw + 3 * RING_MAX_TOKENS;
+        r16(s.k * cw * s.state_size) + 2 * rows + 4 * floats + 16
+    };
     (smem <= s.smem_optin).then_some(RingPlan {
+        tile,
         mt,
         mq,
         gran,
         vblocks: s.v.div_ceil(cw),
         smem,
     })
+}
+
+/// The ring kernel of a call of `op`, or `None` for `kda_step`: `forced`
+/// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_tile` for
+/// spec_verify with at least 4 new tokens per sequence or of an fp32 pool, and `kda_ring` for
+/// the rest (measured on the H200, docs/performance.md, eighteenth session: the tile kernel
+/// was 2-18% faster there, and 10-25% slower for decode and replay and 5% for 2-byte spec T = 2).
+fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
+    let tile = match forced {
+        Some(RingKernel::Step) => return None,
+        Some(k) => k == RingKernel::Tile,
+        None => op == Op::SpecVerify && (s.max_new >= 4 || s.state_size == 4),
+    };
+    ring_plan(s, tile)
 }
 
 impl CudaBackend {
@@ -530,7 +554,7 @@ impl CudaBackend {
             eager_warps: Mutex::new(None),
             eager_kernel: Mutex::new(None),
             eager_stages: Mutex::new(None),
-            ring_pipelined: Mutex::new(None),
+            ring_kernel: Mutex::new(None),
             dependent_launch: Mutex::new(None),
             has_dependent_launch: major >= 9,
             has_bulk_copies: major >= 9,
@@ -579,12 +603,14 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Chooses the kernel of calls with a ring: `Some(true)` the pipelined kernel `kda_ring`
-    /// wherever the call fits it (nearest rounding, whole 16-byte tile rows, whole 4-byte token
-    /// rows, at most 16 pending and new tokens per sequence; `None`, the default, does the same),
-    /// `Some(false)` the one-unit-per-CTA kernel `kda_step`. Both give the same bits.
-    pub fn set_ring_pipelined(&self, on: Option<bool>) -> Result<()> {
-        *self.ring_pipelined.lock() = on;
+    /// Chooses the kernel of calls with a ring ([`RingKernel`]): `kda_ring` or `kda_ring_tile`
+    /// wherever the call fits them (nearest rounding, whole 16-byte tile rows, whole 4-byte
+    /// token rows, at most 16 pending and new tokens per sequence), else `kda_step`. `None` (the
+    /// default) picks per call (`ring_choice`): `kda_ring_tile` for spec_verify with 4 or more
+    /// new tokens per sequence, or of an fp32 pool, `kda_ring` for the rest. All give the same
+    /// bits.
+    pub fn set_ring_kernel(&self, kernel: Option<RingKernel>) -> Result<()> {
+        *self.ring_kernel.lock() = kernel;
         Ok(())
     }
 
@@ -877,10 +903,9 @@ impl CudaBackend {
         } else {
             None
         };
-        let ring_choice = *self.ring_pipelined.lock();
-        let ring_pipe = if ring && ring_choice != Some(false) {
+        let ring_pipe = if ring {
             let plan = &call.batch.plan;
-            ring_plan(&RingShape {
+            let shape = RingShape {
                 k: g.k,
                 v: g.v,
                 state_size: g.state_dtype.size(),
@@ -890,7 +915,8 @@ impl CudaBackend {
                 max_new: (0..n).map(|i| plan.len_of(i)).max().unwrap_or(0),
                 stochastic: sr == 1,
                 smem_optin: self.smem_optin,
-            })
+            };
+            ring_choice(&shape, call.op, *self.ring_kernel.lock())
         } else {
             None
         };
@@ -914,6 +940,11 @@ impl CudaBackend {
                 let (f, name) = eager_kernel(&self.ctx, key, pl.stage_store)?;
                 let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
                 (f, name, pl.smem, Some(grid))
+            }
+            (None, Some(rp)) if rp.tile => {
+                let f = ring_tile_kernel(&self.ctx, key)?;
+                Self::opt_in_smem(&f, "kda_ring_tile", rp.smem)?;
+                (f, "kda_ring_tile", rp.smem, None)
             }
             (None, Some(rp)) => {
                 let f = ring_kernel(&self.ctx, key)?;
@@ -1551,18 +1582,61 @@ mod tests {
     fn ring_plan_fits_the_benchmarked_ring_and_spec_shapes() {
         // decode with ring 8: whole heads of 128 columns (eight warps), 8-byte copies of token
         // rows (a ring entry of 12 heads in bf16 is 9240 bytes)
-        let p = ring_plan(&ring_shape(4, 8, 1)).expect("fp32 ring 8");
+        let p = ring_plan(&ring_shape(4, 8, 1), false).expect("fp32 ring 8");
         assert_eq!((p.mt, p.mq, p.gran, p.vblocks), (9, 1, 8, 1));
-        let p = ring_plan(&ring_shape(2, 8, 1)).expect("fp16 ring 8");
+        let p = ring_plan(&ring_shape(2, 8, 1), false).expect("fp16 ring 8");
         assert_eq!((p.mt, p.vblocks), (9, 1));
         // two CTAs (16 warps) per SM, fp32 included: one tile buffer (228 KiB per SM, 1 KiB
         // reserved per CTA)
-        assert!(2 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
-        let p = ring_plan(&ring_shape(4, 8, 1)).unwrap();
-        assert!(2 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
+        let two_per_sm = |p: RingPlan| 2 * (p.smem + 1024) <= 228 * 1024;
+        assert!(two_per_sm(p), "{} bytes", p.smem);
+        let p = ring_plan(&ring_shape(4, 8, 1), false).unwrap();
+        assert!(two_per_sm(p), "{} bytes", p.smem);
         // spec T = 4 with ring 10 (either layout: the plan does not depend on it)
-        let p = ring_plan(&ring_shape(2, 10, 4)).expect("spec T = 4");
+        let p = ring_plan(&ring_shape(2, 10, 4), false).expect("spec T = 4");
         assert_eq!((p.mt, p.mq), (14, 4));
+        let p = ring_plan(&ring_shape(4, 10, 4), false).unwrap();
+        assert!(two_per_sm(p), "{} bytes", p.smem);
+        // kda_ring_tile's CTAs, without a tile buffer or a second stage, take less
+        for state_size in [4, 2] {
+            let p = ring_plan(&ring_shape(state_size, 10, 4), true).expect("kda_ring_tile");
+            assert!(p.tile && two_per_sm(p), "{} bytes", p.smem);
+            assert_eq!((p.mt, p.mq, p.gran, p.vblocks), (14, 4, 8, 1));
+        }
+    }
+
+    #[test]
+    fn ring_choice_takes_the_tile_kernel_for_spec_verify_where_it_measured_faster() {
+        let tile = |state_size, ring_len, max_new, op| {
+            ring_choice(&ring_shape(state_size, ring_len, max_new), op, None).map(|p| p.tile)
+        };
+        // spec T = 4 (ring 10): every pool; T = 2 (ring 6): fp32 only
+        for state_size in [4, 2] {
+            assert_eq!(tile(state_size, 10, 4, Op::SpecVerify), Some(true));
+            assert_eq!(
+                tile(state_size, 6, 2, Op::SpecVerify),
+                Some(state_size == 4)
+            );
+            // decode and replay: kda_ring
+            assert_eq!(tile(state_size, 8, 1, Op::Decode), Some(false));
+            assert_eq!(tile(state_size, 8, 0, Op::Replay), Some(false));
+        }
+        // a forced kernel wins; kda_step is no plan
+        let s = ring_shape(2, 8, 1);
+        for op in [Op::Decode, Op::SpecVerify, Op::Replay] {
+            let forced = |k| ring_choice(&s, op, Some(k)).map(|p| p.tile);
+            assert_eq!(forced(RingKernel::Tile), Some(true), "{op:?}");
+            assert_eq!(forced(RingKernel::Pipelined), Some(false), "{op:?}");
+            assert_eq!(forced(RingKernel::Step), None, "{op:?}");
+        }
+        // where neither fits, kda_step runs whatever was asked
+        let mut st = ring_shape(2, 8, 4);
+        st.stochastic = true;
+        assert_eq!(ring_choice(&st, Op::SpecVerify, None), None);
+        assert_eq!(
+            ring_choice(&st, Op::SpecVerify, Some(RingKernel::Tile)),
+            None
+        );
     }
 
     #[test]
@@ -1592,43 +1666,57 @@ mod tests {
 
     #[test]
     fn ring_plan_takes_every_pool_dtype_and_operation() {
-        for state_size in [4, 2] {
-            for (max_new, op) in [(4, "spec_verify"), (0, "replay"), (1, "decode")] {
-                assert!(
-                    ring_plan(&ring_shape(state_size, 8, max_new)).is_some(),
-                    "{state_size}-byte pool, {op}: kda_ring by default"
-                );
+        for tile in [false, true] {
+            for state_size in [4, 2] {
+                for (max_new, op) in [(4, "spec_verify"), (0, "replay"), (1, "decode")] {
+                    assert!(
+                        ring_plan(&ring_shape(state_size, 8, max_new), tile).is_some(),
+                        "{state_size}-byte pool, {op}, tile kernel {tile}"
+                    );
+                }
             }
         }
     }
 
     #[test]
-    fn ring_plan_refuses_what_the_pipelined_kernel_cannot_take() {
-        assert_eq!(
-            ring_plan(&ring_shape(2, 0, 1)),
-            None,
-            "no ring: eager kernels"
-        );
-        let mut s = ring_shape(2, 4, 1);
-        s.stochastic = true;
-        assert_eq!(ring_plan(&s), None, "stochastic rounding: kda_step");
-        assert_eq!(ring_plan(&ring_shape(2, 12, 5)), None, "17 tokens per item");
-        let mut s = ring_shape(2, 4, 1);
-        s.v = 20;
-        assert_eq!(ring_plan(&s), None, "tile rows of 40 bytes");
-        let mut s = ring_shape(2, 4, 1);
-        s.k = 24;
-        s.v = 8;
-        // one head: a ring entry of 2 (24 + 8 + 24 + 1) = 114 bytes, 2-byte copies only
-        s.entry_bytes = 114;
-        assert_eq!(ring_plan(&s), None, "token rows without 4-byte copies");
+    fn ring_plan_refuses_what_the_ring_kernels_cannot_take() {
+        for tile in [false, true] {
+            assert_eq!(
+                ring_plan(&ring_shape(2, 0, 1), tile),
+                None,
+                "no ring: eager kernels"
+            );
+            let mut s = ring_shape(2, 4, 1);
+            s.stochastic = true;
+            assert_eq!(ring_plan(&s, tile), None, "stochastic rounding: kda_step");
+            assert_eq!(
+                ring_plan(&ring_shape(2, 12, 5), tile),
+                None,
+                "17 tokens per item"
+            );
+            let mut s = ring_shape(2, 4, 1);
+            s.v = 20;
+            assert_eq!(ring_plan(&s, tile), None, "tile rows of 40 bytes");
+            let mut s = ring_shape(2, 4, 1);
+            s.k = 24;
+            s.v = 8;
+            // one head: a ring entry of 2 (24 + 8 + 24 + 1) = 114 bytes, 2-byte copies only
+            s.entry_bytes = 114;
+            assert_eq!(
+                ring_plan(&s, tile),
+                None,
+                "token rows without 4-byte copies"
+            );
+        }
         let mut s = ring_shape(4, 8, 1);
         s.smem_optin = 64 * 1024;
         assert_eq!(
-            ring_plan(&s),
+            ring_plan(&s, false),
             None,
             "more shared memory than the device has"
         );
+        s.smem_optin = 16 * 1024;
+        assert_eq!(ring_plan(&s, true), None, "the tile kernel's rows too");
     }
 
     #[test]

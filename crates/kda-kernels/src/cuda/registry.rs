@@ -56,6 +56,7 @@ enum Key {
     EagerTileBulk(StepKey),
     EagerTileBulkIn(StepKey),
     Ring(StepKey),
+    RingTile(StepKey),
     Fill,
     Copy,
 }
@@ -72,6 +73,7 @@ impl Key {
             Key::EagerTileBulk(_) => "kda_eager_tile_bulk",
             Key::EagerTileBulkIn(_) => "kda_eager_tile_bulk_in",
             Key::Ring(_) => "kda_ring",
+            Key::RingTile(_) => "kda_ring_tile",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -87,13 +89,14 @@ impl Key {
             | Key::EagerTileStaged(k)
             | Key::EagerTileBulk(k)
             | Key::EagerTileBulkIn(k)
-            | Key::Ring(k) => ModuleKey::Step(k),
+            | Key::Ring(k)
+            | Key::RingTile(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (eight kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (nine kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -102,7 +105,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 8] {
+fn step_module(k: StepKey) -> [Key; 9] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -112,6 +115,7 @@ fn step_module(k: StepKey) -> [Key; 8] {
         Key::EagerTileBulk(k),
         Key::EagerTileBulkIn(k),
         Key::Ring(k),
+        Key::RingTile(k),
     ]
 }
 
@@ -340,6 +344,12 @@ pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
     get(ctx, Key::Ring(key))
 }
 
+/// The one-item-per-CTA ring kernel `kda_ring_tile` specialised on `key` (same module as
+/// `kda_step`), compiled on first use.
+pub(crate) fn ring_tile_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+    get(ctx, Key::RingTile(key))
+}
+
 /// The `kda_fill` kernel.
 pub(crate) fn fill_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
     get(ctx, Key::Fill)
@@ -407,7 +417,8 @@ mod tests {
                 "kda_eager_tile_staged",
                 "kda_eager_tile_bulk",
                 "kda_eager_tile_bulk_in",
-                "kda_ring"
+                "kda_ring",
+                "kda_ring_tile"
             ]
         );
     }
