@@ -73,7 +73,7 @@ pub struct CudaBackend {
     eager_kernel: Mutex<Option<EagerKernel>>,
     /// Pipeline stages of the pipelined eager kernel (`None`: the default).
     eager_stages: Mutex<Option<usize>>,
-    /// Whether calls with a ring use the pipelined kernel `kda_ring` (`None`: wherever it fits).
+    /// The kernel of calls with a ring (`None`: per call, `ring_choice`).
     ring_kernel: Mutex<Option<RingKernel>>,
     /// Whether kernels launch as programmatic dependent launches (`None`: decode only).
     dependent_launch: Mutex<Option<bool>>,
@@ -485,8 +485,9 @@ fn ring_plan(s: &RingShape, tile: bool) -> Option<RingPlan> {
 /// The ring kernel of a call of `op`, or `None` for `kda_step`: `forced`
 /// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_tile` for
 /// spec_verify with at least 4 new tokens per sequence or of an fp32 pool, and `kda_ring` for
-/// the rest (measured on the H200, docs/performance.md, eighteenth session: the tile kernel
-/// was 2-18% faster there, and 10-25% slower for decode and replay and 5% for 2-byte spec T = 2).
+/// the rest (measured on the H200, docs/performance.md, eighteenth session: with the tile
+/// kernel spec T = 4 was 2-16% faster and fp32 T = 2 level to 3% faster; at N >= 64 ring
+/// decode 7-16% and replay 6-29% slower, and 2-byte spec T = 2 3-6% slower).
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
     let tile = match forced {
         Some(RingKernel::Step) => return None,
