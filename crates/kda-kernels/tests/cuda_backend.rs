@@ -697,34 +697,23 @@ fn check_choice_agrees(
     stores
 }
 
-/// The pipelined ring kernel `kda_ring` against `kda_step` (a [`Choice`]).
-fn pipelined_or_step(cu: &CudaBackend, on: Option<bool>) -> kda_kernels::Result<()> {
-    cu.set_ring_kernel(on.map(|p| {
-        if p {
-            RingKernel::Pipelined
-        } else {
-            RingKernel::Step
-        }
-    }))
-}
-
-/// The one-item-per-CTA ring kernel `kda_ring_tile` against `kda_step` (a [`Choice`]).
-fn tile_or_step(cu: &CudaBackend, on: Option<bool>) -> kda_kernels::Result<()> {
-    cu.set_ring_kernel(on.map(|t| {
-        if t {
-            RingKernel::Tile
-        } else {
-            RingKernel::Step
-        }
-    }))
+/// A ring kernel (`kda_ring_tile` where TILE, else `kda_ring`) against `kda_step` (a
+/// [`Choice`]).
+fn ring_or_step<const TILE: bool>(cu: &CudaBackend, on: Option<bool>) -> kda_kernels::Result<()> {
+    let kernel = if TILE {
+        RingKernel::Tile
+    } else {
+        RingKernel::Pipelined
+    };
+    cu.set_ring_kernel(on.map(|k| if k { kernel } else { RingKernel::Step }))
 }
 
 #[test]
 fn cuda_pipelined_and_tile_ring_kernels_equal_the_one_unit_per_cta_kernel_bit_for_bit() {
     let Some(cu) = cuda() else { return };
     for (kernel, choice) in [
-        ("kda_ring", pipelined_or_step as Choice),
-        ("kda_ring_tile", tile_or_step),
+        ("kda_ring", ring_or_step::<false> as Choice),
+        ("kda_ring_tile", ring_or_step::<true>),
     ] {
         for state in Dtype::ALL {
             for (h, hv, k, v, input, ring_len, layout) in [
