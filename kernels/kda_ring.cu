@@ -593,7 +593,7 @@ namespace kda {
 // f32 arrays: ka, da [mt][KS] (activated keys, decays; by combined token), qa [mq][KS] (queries),
 // va [mt][RCW] (values), beta [mt].
 struct RingTileLayout {
-    int tokb, qrow, bias, ka, da, qa, va, sbeta, bytes;
+    int tokb, qrow, bias, ka, da, qa, va, sbeta;
     __device__ __forceinline__ RingTileLayout(int mt, int mq) {
         tokb = 2 * RK + round16(RCW * (int)sizeof(IT));
         qrow = mt * tokb;
@@ -602,8 +602,7 @@ struct RingTileLayout {
         da = ka + 4 * mt * KS;
         qa = da + 4 * mt * KS;
         va = qa + 4 * mq * KS;
-        sbeta = va + 4 * mt * RCW;
-        bytes = sbeta + round16(4 * mt);
+        sbeta = va + 4 * mt * RCW; // then round16(4 mt) bytes: the end
     }
 };
 
@@ -763,7 +762,9 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
         }
         // no commit: this CTA's part of the new entries (rows past the pending entries: no CTA
         // of this call reads them): v of its columns; g and beta from the head's first block; k
-        // from the group's first value head
+        // from the group's first value head. (kda_ring's append, written again: a shared helper
+        // would change kda_ring's code, whose speed depends on its size, and its betas come from
+        // shared memory.)
         if (!store && pl.append_at != KDA_NONE && nnew > 0) {
             for (int r = warp; r < 3 * (int)nnew; r += RT / 32) {
                 const int j = r / 3, part = r - 3 * j; // 0: k and beta, 1: g, 2: v
