@@ -33,6 +33,8 @@ fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
     );
     assert_usage_error(&["--replays", "0"], "--replays");
     assert_usage_error(&["--ring", "0"], "--ring");
+    assert_usage_error(&["--drafts", "2,0"], "--drafts: '0'");
+    assert_usage_error(&["--spec-seqs", "x"], "--spec-seqs: 'x'");
     assert_usage_error(&["--warps", "9"], "1..=8");
     assert_usage_error(&["--stages", "4"], "2 or 3");
 }

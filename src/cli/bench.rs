@@ -61,6 +61,12 @@ pub struct Args {
     /// State layouts, comma-separated (kfirst, vfirst).
     #[arg(long, default_value = "kfirst")]
     pub layouts: String,
+    /// Drafts per sequence of the spec_verify cases (T; ring 2 x (T + 1)), comma-separated.
+    #[arg(long, default_value = "2,4")]
+    pub drafts: String,
+    /// Sequences per spec_verify call, comma-separated.
+    #[arg(long, default_value = "64")]
+    pub spec_seqs: String,
     /// Ring length of the ring-decode cases.
     #[arg(long, default_value_t = 8)]
     pub ring: usize,
@@ -533,6 +539,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
     };
     let heads = list("heads", &args.heads, positive, "positive integers")?;
     let seqs = list("seqs", &args.seqs, positive, "positive integers")?;
+    let drafts = list("drafts", &args.drafts, positive, "positive integers")?;
+    let spec_seqs = list("spec-seqs", &args.spec_seqs, positive, "positive integers")?;
     let states = list("states", &args.states, Dtype::parse, "fp32, fp16, bf16")?;
     let layouts = list(
         "layouts",
@@ -702,8 +710,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
                             }
                         }
                         Kind::Spec => {
-                            for t in [2usize, 4] {
-                                let n = 64;
+                            for (&t, &n) in drafts
+                                .iter()
+                                .flat_map(|t| spec_seqs.iter().map(move |n| (t, n)))
+                            {
                                 let l = 2 * (t + 1);
                                 let mut s = setup(&be, h, n, t, l, state, layout)?;
                                 let zeros =

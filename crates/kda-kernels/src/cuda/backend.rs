@@ -410,6 +410,8 @@ struct RingShape {
     entry_bytes: usize,
     /// Most new tokens of one sequence in the call.
     max_new: usize,
+    /// Value heads of the call (sequences x value heads).
+    heads: usize,
     /// Whether the pool rounds stochastically (`kda_ring` stores with nearest rounding only).
     stochastic: bool,
     smem_optin: usize,
@@ -482,17 +484,37 @@ fn ring_plan(s: &RingShape, tile: bool) -> Option<RingPlan> {
     })
 }
 
+/// The fewest items (sequence, value head, column block) of a spec_verify call with `max_new`
+/// new tokens per sequence from which `kda_ring_tile` runs it, or `None` for never (one new
+/// token: decode's shape). One item per CTA pays where the items are many and long; a small call
+/// is better served by `kda_ring`'s persistent pipeline. Measured on the H200 for T = 2, 3, 4 at
+/// 192-8192 items of whole heads (docs/performance.md, nineteenth session): the thresholds are
+/// the item counts from which the tile kernel was level or faster for every larger call but one
+/// (2-byte T = 2 at 4096 items: 1% slower).
+fn ring_tile_from(state_size: usize, max_new: usize) -> Option<usize> {
+    match (state_size, max_new) {
+        (_, 0..=1) => None,
+        (_, 4..) => Some(512),
+        (4, _) => Some(1024),
+        (_, 3) => Some(2048),
+        _ => Some(3072),
+    }
+}
+
 /// The ring kernel of a call of `op`, or `None` for `kda_step`: `forced`
 /// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_tile` for
-/// spec_verify with at least 4 new tokens per sequence or of an fp32 pool, and `kda_ring` for
-/// the rest (measured on the H200, docs/performance.md, eighteenth session: with the tile
-/// kernel spec T = 4 was 2-16% faster and fp32 T = 2 level to 3% faster; at N >= 64 ring
-/// decode 7-16% and replay 6-29% slower, and 2-byte spec T = 2 3-6% slower).
+/// spec_verify calls from [`ring_tile_from`]'s item count, and `kda_ring` for the rest (ring
+/// decode and replay measured 7-16% and 6-29% slower with the tile kernel at N >= 64:
+/// docs/performance.md, eighteenth session).
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
     let tile = match forced {
         Some(RingKernel::Step) => return None,
         Some(k) => k == RingKernel::Tile,
-        None => op == Op::SpecVerify && (s.max_new >= 4 || s.state_size == 4),
+        None => {
+            let items = s.heads * s.v.div_ceil(RING_THREADS / 32 * warp_columns(s.k));
+            op == Op::SpecVerify
+                && ring_tile_from(s.state_size, s.max_new).is_some_and(|from| items >= from)
+        }
     };
     ring_plan(s, tile)
 }
@@ -914,6 +936,7 @@ impl CudaBackend {
                 ring_len: g.ring_len,
                 entry_bytes: g.ring_entry_elems() * input.size(),
                 max_new: (0..n).map(|i| plan.len_of(i)).max().unwrap_or(0),
+                heads: n * g.hv,
                 stochastic: sr == 1,
                 smem_optin: self.smem_optin,
             };
@@ -1574,6 +1597,8 @@ mod tests {
             // 12 heads in bf16: 2 (3 x 12 x 128 + 12)
             entry_bytes: 9240,
             max_new,
+            // 12 heads, 64 sequences
+            heads: 768,
             stochastic: false,
             smem_optin: 227 * 1024,
         }
@@ -1608,20 +1633,57 @@ mod tests {
 
     #[test]
     fn ring_choice_takes_the_tile_kernel_for_spec_verify_where_it_measured_faster() {
-        let tile = |state_size, ring_len, max_new, op| {
-            ring_choice(&ring_shape(state_size, ring_len, max_new), op, None).map(|p| p.tile)
+        let tile = |state_size, max_new, heads, op| {
+            let mut s = ring_shape(state_size, 2 * (max_new + 1), max_new);
+            s.heads = heads;
+            ring_choice(&s, op, None).map(|p| p.tile)
         };
-        // spec T = 4 (ring 10): every pool; T = 2 (ring 6): fp32 only
-        for state_size in [4, 2] {
-            assert_eq!(tile(state_size, 10, 4, Op::SpecVerify), Some(true));
-            assert_eq!(
-                tile(state_size, 6, 2, Op::SpecVerify),
-                Some(state_size == 4)
-            );
-            // decode and replay: kda_ring
-            assert_eq!(tile(state_size, 8, 1, Op::Decode), Some(false));
-            assert_eq!(tile(state_size, 8, 0, Op::Replay), Some(false));
+        // whole heads of 128 columns: one item per head. T = 4 from 512 items; fp32 T = 2 and 3
+        // from 1024; 2-byte T = 3 from 2048, T = 2 from 3072
+        for (state_size, max_new, from) in [
+            (4, 4, 512),
+            (2, 4, 512),
+            (4, 3, 1024),
+            (4, 2, 1024),
+            (2, 3, 2048),
+            (2, 2, 3072),
+        ] {
+            let case = format!("{state_size}-byte pool, T = {max_new}");
+            for heads in [from / 2, from - 1] {
+                assert_eq!(
+                    tile(state_size, max_new, heads, Op::SpecVerify),
+                    Some(false),
+                    "{case}, {heads}"
+                );
+            }
+            for heads in [from, 8192] {
+                assert_eq!(
+                    tile(state_size, max_new, heads, Op::SpecVerify),
+                    Some(true),
+                    "{case}, {heads}"
+                );
+            }
         }
+        for state_size in [4, 2] {
+            // one draft, decode and replay: kda_ring at any size
+            for heads in [1, 768, 8192] {
+                assert_eq!(tile(state_size, 1, heads, Op::SpecVerify), Some(false));
+                assert_eq!(tile(state_size, 1, heads, Op::Decode), Some(false));
+                assert_eq!(tile(state_size, 0, heads, Op::Replay), Some(false));
+            }
+        }
+        // half-width heads (64 columns over 128-column items) count one item per head
+        let mut half = ring_shape(4, 10, 4);
+        (half.v, half.heads) = (64, 511);
+        assert_eq!(
+            ring_choice(&half, Op::SpecVerify, None).map(|p| p.tile),
+            Some(false)
+        );
+        half.heads = 512;
+        assert_eq!(
+            ring_choice(&half, Op::SpecVerify, None).map(|p| p.tile),
+            Some(true)
+        );
         // a forced kernel wins; kda_step is no plan
         let s = ring_shape(2, 8, 1);
         for op in [Op::Decode, Op::SpecVerify, Op::Replay] {
