@@ -507,20 +507,24 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
             const int col0 = me.cb + col0l;
             ST* head = state_head(p, me.slot, me.hv);
             const kda_u32 elem0 = (kda_u32)me.hv * (kda_u32)(K * V);
-            for (int t = 0; t < ntok; ++t) {
-                const bool fresh = t >= (int)pend;
-                float o[TV];
-                token_step<true>(s, ka + t * KS, da + t * KS, qa + (fresh ? t - (int)pend : 0) * KS, va + t * RCW + col0l,
-                           cwv - col0l, sbeta[t], lk, fresh, o);
-                if (fresh && lk == 0 && col0 < V) {
+            // the pending entries, a commit's store after them, then the new tokens with their
+            // read-outs (as kda_ring_tile: two loops)
+            float o[TV];
+            for (int t = 0; t < (int)pend; ++t)
+                token_step<true>(s, ka + t * KS, da + t * KS, qa, va + t * RCW + col0l, cwv - col0l, sbeta[t], lk,
+                                 false, o);
+            // nearest rounding only: the host runs kda_step for stochastic-rounding pools (the
+            // hash and the fp16 rounding would take registers from the token loop); streaming
+            // stores, as no item reads the committed state again soon (2-byte ring and spec
+            // 2.5-3.3% faster on the H200, docs/performance.md, ninth session)
+            if (me.pl.store_after == pend && pend > 0) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
+            for (int t = (int)pend; t < ntok; ++t) {
+                token_step<true>(s, ka + t * KS, da + t * KS, qa + (t - (int)pend) * KS, va + t * RCW + col0l,
+                                 cwv - col0l, sbeta[t], lk, true, o);
+                if (lk == 0 && col0 < V) {
                     const size_t tok = me.bos + ((kda_u32)t - pend);
                     store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + me.hv) * V + col0, o, col0);
                 }
-                // nearest rounding only: the host runs kda_step for stochastic-rounding pools (the
-                // hash and the fp16 rounding would take registers from the token loop); streaming
-                // stores, as no item reads the committed state again soon (2-byte ring and spec
-                // 2.5-3.3% faster on the H200, docs/performance.md, ninth session)
-                if ((kda_u32)t + 1 == me.pl.store_after) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
             }
 
             // 3) no commit: this item's part of the new entries (rows past the pending
@@ -749,16 +753,23 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
         const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
-        for (int t = 0; t < ntok; ++t) {
-            const bool fresh = t >= pend;
-            float o[TV];
-            token_step<true>(s, ka + t * KS, da + t * KS, qa + (fresh ? t - pend : 0) * KS, va + t * RCW + col0l,
-                             cwv - col0l, sbeta[t], lk, fresh, o);
-            if (fresh && lk == 0 && col0l < cwv) {
+        // The pending entries, then a commit's store (with a ring the plan stores after the
+        // pending entries or not at all; with none pending the state is unchanged), then the
+        // new tokens with their read-outs: two loops, so neither tests per token which kind of
+        // token it steps.
+        float o[TV];
+        for (int t = 0; t < pend; ++t)
+            token_step<true>(s, ka + t * KS, da + t * KS, qa, va + t * RCW + col0l, cwv - col0l, sbeta[t], lk, false,
+                             o);
+        if (pl.store_after == (kda_u32)pend && pend > 0 && col0l < cwv)
+            store_tile<false, true>(head, lk, col0, s, 0u, elem0);
+        for (int t = pend; t < ntok; ++t) {
+            token_step<true>(s, ka + t * KS, da + t * KS, qa + (t - pend) * KS, va + t * RCW + col0l, cwv - col0l,
+                             sbeta[t], lk, true, o);
+            if (lk == 0 && col0l < cwv) {
                 const size_t tok = bos + (size_t)(t - pend);
                 store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
             }
-            if ((kda_u32)t + 1 == pl.store_after && col0l < cwv) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
         }
         // no commit: this CTA's part of the new entries (rows past the pending entries: no CTA
         // of this call reads them): v of its columns; g and beta from the head's first block; k
