@@ -484,13 +484,22 @@ fn ring_plan(s: &RingShape, tile: bool) -> Option<RingPlan> {
     })
 }
 
-/// The fewest items (sequence, value head, column block) of a spec_verify call with `max_new`
-/// new tokens per sequence from which `kda_ring_tile` runs it, or `None` for never (one new
-/// token: decode's shape). One item per CTA pays where the items are many and long; a small call
-/// is better served by `kda_ring`'s persistent pipeline. Measured on the H200 for T = 2, 3, 4 at
-/// 192-8192 items of whole heads (docs/performance.md, nineteenth session): the thresholds are
-/// the item counts from which the tile kernel was level or faster for every larger call but one
-/// (2-byte T = 2 at 4096 items: 1% slower).
+/// Most items (sequence, value head, column block) of a ring decode call that `kda_ring_tile`
+/// runs: up to here it measured 8-11% faster than `kda_ring` for fp32 pools and level to 6%
+/// faster for 2-byte ones; at 192-256 items level (+-2%), from 384 items 2-13% slower
+/// (docs/performance.md, nineteenth session). A small call gives `kda_ring` one item per CTA
+/// too, with nothing to pipeline.
+const RING_TILE_DECODE_UPTO: usize = 128;
+/// The same for a replay (flush) call: 3-6% faster up to 64 items, level to 24% slower from 96.
+const RING_TILE_REPLAY_UPTO: usize = 64;
+
+/// The fewest items of a spec_verify call with `max_new` new tokens per sequence from which
+/// `kda_ring_tile` runs it, or `None` for never (one new token: decode's shape). One item per
+/// CTA pays where the items are many and long; a small call is better served by `kda_ring`'s
+/// persistent pipeline. Measured on the H200 for T = 2, 3, 4 at 192-8192 items of whole heads
+/// (docs/performance.md, nineteenth session): the thresholds are the item counts from which the
+/// tile kernel was level or faster for every larger call but one (2-byte T = 2 at 4096 items:
+/// 1% slower).
 fn ring_tile_from(state_size: usize, max_new: usize) -> Option<usize> {
     match (state_size, max_new) {
         (_, 0..=1) => None,
@@ -502,18 +511,25 @@ fn ring_tile_from(state_size: usize, max_new: usize) -> Option<usize> {
 }
 
 /// The ring kernel of a call of `op`, or `None` for `kda_step`: `forced`
-/// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_tile` for
+/// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_tile` for small ring
+/// decode and replay calls ([`RING_TILE_DECODE_UPTO`], [`RING_TILE_REPLAY_UPTO`] items) and
 /// spec_verify calls from [`ring_tile_from`]'s item count, and `kda_ring` for the rest (ring
-/// decode and replay measured 7-16% and 6-29% slower with the tile kernel at N >= 64:
-/// docs/performance.md, eighteenth session).
+/// decode and replay measured 2-24% slower with the tile kernel at N >= 64: docs/performance.md,
+/// eighteenth and nineteenth sessions).
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
     let tile = match forced {
         Some(RingKernel::Step) => return None,
         Some(k) => k == RingKernel::Tile,
         None => {
             let items = s.heads * s.v.div_ceil(RING_THREADS / 32 * warp_columns(s.k));
-            op == Op::SpecVerify
-                && ring_tile_from(s.state_size, s.max_new).is_some_and(|from| items >= from)
+            match op {
+                Op::Decode => items <= RING_TILE_DECODE_UPTO,
+                Op::Replay => items <= RING_TILE_REPLAY_UPTO,
+                Op::SpecVerify => {
+                    ring_tile_from(s.state_size, s.max_new).is_some_and(|from| items >= from)
+                }
+                Op::Prefill => false,
+            }
         }
     };
     ring_plan(s, tile)
@@ -629,9 +645,10 @@ impl CudaBackend {
     /// Chooses the kernel of calls with a ring ([`RingKernel`]): `kda_ring` or `kda_ring_tile`
     /// wherever the call fits them (nearest rounding, whole 16-byte tile rows, whole 4-byte
     /// token rows, at most 16 pending and new tokens per sequence), else `kda_step`. `None` (the
-    /// default) picks per call (`ring_choice`): `kda_ring_tile` for spec_verify with 4 or more
-    /// new tokens per sequence, or of an fp32 pool, `kda_ring` for the rest. All give the same
-    /// bits.
+    /// default) picks per call (`ring_choice`): `kda_ring_tile` for ring decode calls of at most
+    /// 128 items (sequences x value heads at K = V = 128), replay calls of at most 64, and
+    /// spec_verify calls of at least `ring_tile_from`'s items (512 with 4 or more drafts per
+    /// sequence, 1024 to 3072 with 2 or 3); `kda_ring` for the rest. All give the same bits.
     pub fn set_ring_kernel(&self, kernel: Option<RingKernel>) -> Result<()> {
         *self.ring_kernel.lock() = kernel;
         Ok(())
@@ -1632,7 +1649,7 @@ mod tests {
     }
 
     #[test]
-    fn ring_choice_takes_the_tile_kernel_for_spec_verify_where_it_measured_faster() {
+    fn ring_choice_takes_the_tile_kernel_where_it_measured_faster() {
         let tile = |state_size, max_new, heads, op| {
             let mut s = ring_shape(state_size, 2 * (max_new + 1), max_new);
             s.heads = heads;
@@ -1665,11 +1682,29 @@ mod tests {
             }
         }
         for state_size in [4, 2] {
-            // one draft, decode and replay: kda_ring at any size
+            // one draft: kda_ring at any size
             for heads in [1, 768, 8192] {
                 assert_eq!(tile(state_size, 1, heads, Op::SpecVerify), Some(false));
-                assert_eq!(tile(state_size, 1, heads, Op::Decode), Some(false));
-                assert_eq!(tile(state_size, 0, heads, Op::Replay), Some(false));
+            }
+            // decode up to 128 items, replay up to 64: the tile kernel; larger: kda_ring
+            for (heads, decode, replay) in [
+                (1, true, true),
+                (64, true, true),
+                (65, true, false),
+                (128, true, false),
+                (129, false, false),
+                (8192, false, false),
+            ] {
+                assert_eq!(
+                    tile(state_size, 1, heads, Op::Decode),
+                    Some(decode),
+                    "{heads}"
+                );
+                assert_eq!(
+                    tile(state_size, 0, heads, Op::Replay),
+                    Some(replay),
+                    "{heads}"
+                );
             }
         }
         // half-width heads (64 columns over 128-column items) count one item per head
