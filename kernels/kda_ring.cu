@@ -580,10 +580,10 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
 // many depends on the drafts and the pool), where it measured faster than kda_ring
 // (`ring_choice` in backend.rs; docs/performance.md, eighteenth and nineteenth sessions). An
 // item is kda_ring's (sequence, value head, block of RCW columns), item = blockIdx.x, and the
-// grid covers the items: two CTAs per SM keep each other's loads in flight
-// instead of a pipeline. The state tile goes straight into registers while thread 0 reads the
-// ring record and the new tokens' rows are copied (cp.async); the pending entries' rows follow
-// once the plan is known. Then the keys and queries are activated a warp per row, the decays and
+// grid covers the items: two CTAs per SM keep each other's loads in flight instead of a
+// pipeline. The state tile goes straight into registers while thread 0 reads the ring record
+// and the new tokens' rows are copied (cp.async); the pending entries' rows follow once the
+// plan is known. Then the keys and queries are activated a warp per row, the decays and
 // values over all threads, and each warp steps its columns through the tokens with kda_step's
 // token step: the same bits. Nearest rounding only, as kda_ring.
 // Ring data as in kda_ring: without a commit each CTA appends its part of the new entries; a

@@ -439,6 +439,11 @@ const RING_THREADS: usize = 256;
 /// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
 const RING_MAX_TOKENS: usize = 16;
 
+/// Columns of one item of either ring kernel (`RCW`: eight warps' columns).
+fn ring_item_columns(k: usize) -> usize {
+    (RING_THREADS / 32) * warp_columns(k)
+}
+
 /// The launch of `kda_ring` (`tile` false) or `kda_ring_tile`, or `None` where the call does not
 /// fit them (stochastic rounding, tiles that are not whole 16-byte copies, token rows that are
 /// not whole 4-byte copies, too many tokens per item, too much shared memory): then `kda_step`
@@ -446,7 +451,7 @@ const RING_MAX_TOKENS: usize = 16;
 /// item of either kernel is eight warps of `kda_step`'s lane mapping).
 fn ring_plan(s: &RingShape, tile: bool) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
-    let cw = (RING_THREADS / 32) * warp_columns(s.k);
+    let cw = ring_item_columns(s.k);
     let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
     // every pool dtype and operation: measured faster than kda_step for fp32 decode, spec_verify
     // (2-14%) and replay (19-22%) too (docs/performance.md, eleventh session)
@@ -521,7 +526,7 @@ fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<Ring
         Some(RingKernel::Step) => return None,
         Some(k) => k == RingKernel::Tile,
         None => {
-            let items = s.heads * s.v.div_ceil(RING_THREADS / 32 * warp_columns(s.k));
+            let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
             match op {
                 Op::Decode => items <= RING_TILE_DECODE_UPTO,
                 Op::Replay => items <= RING_TILE_REPLAY_UPTO,
