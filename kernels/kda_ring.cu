@@ -611,6 +611,29 @@ struct RingTileLayout {
     }
 };
 
+// Prefetches into L2 the rows an item reads of every ring entry of its slot (k of its head h,
+// g, beta and v of its columns of value head hv), a warp per row. The pending ones are known only
+// once the plan is, after the wait; a dependent launch asks for all of them before it (docs/
+// performance.md, twentieth session: ring decode 2-9% faster up to 128 items; before the tile's
+// loads of a plain launch, spec_verify and replay measured 1-7% slower).
+__device__ __forceinline__ void prefetch_ring_rows(const KdaParams& p, kda_u32 slot, int h, int hv, int cb, int cwv) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t entry = ring_entry_elems(p);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    for (int r = warp; r < 4 * (int)p.ring_len; r += RT / 32) {
+        const int t = r / 4, part = r - 4 * t;
+        const IT* e = ring + (size_t)t * entry;
+        if (part == 0)
+            prefetch_range(e + (size_t)h * K, K * sizeof(IT), lane);
+        else if (part == 1)
+            prefetch_range(e + ring_off_g(p, hv), K * sizeof(IT), lane);
+        else if (part == 2)
+            prefetch_range(e + ring_off_v(p, hv) + cb, cwv * sizeof(IT), lane);
+        else
+            prefetch_range(e + ring_off_beta(p, hv), sizeof(IT), lane);
+    }
+}
+
 } // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const KdaParams p) {
@@ -630,8 +653,12 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     const int cwv = cmin(RCW, V - cb);
     // the slots are the host's: read before the wait (early_slot)
     const kda_u32 slot = early_slot(p, n);
+    const int h = (int)kda_div((kda_u32)hv, p.div_grp);
 #if KDA_GRID_DEPENDENCY
-    if (p.early != 0u) prefetch_tile(state_head(p, slot, hv), cb, cwv);
+    if (p.early != 0u) {
+        prefetch_tile(state_head(p, slot, hv), cb, cwv);
+        prefetch_ring_rows(p, slot, h, hv, cb, cwv);
+    }
 #endif
     KDA_DEPENDENT_LAUNCH();
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
@@ -647,7 +674,6 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     if (threadIdx.x == 32) s_aexp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
     const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
     const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
-    const int h = (int)kda_div((kda_u32)hv, p.div_grp);
     const int group = (int)(p.hv / p.h);
 
     // the tile's loads
