@@ -31,6 +31,10 @@ fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
         &["--dependent-launch", "some"],
         "--dependent-launch: 'some'",
     );
+    assert_usage_error(
+        &["--dependent-launch", "decode"],
+        "expected default, all or none",
+    );
     assert_usage_error(&["--replays", "0"], "--replays");
     assert_usage_error(&["--ring", "0"], "--ring");
     assert_usage_error(&["--drafts", "2,0"], "--drafts: '0'");

@@ -81,9 +81,9 @@ pub struct Args {
     /// the --warps (comma-separated, 2 or 3; tuning).
     #[arg(long)]
     pub stages: Option<String>,
-    /// Which operations launch as programmatic dependent launches: decode (the backend's
-    /// default), all or none (A/B in one binary).
-    #[arg(long, default_value = "decode")]
+    /// Which operations launch as programmatic dependent launches: default (the backend's
+    /// choice: decode and small spec_verify calls), all or none (A/B in one binary).
+    #[arg(long, default_value = "default")]
     pub dependent_launch: String,
 }
 
@@ -567,12 +567,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
         None => vec![],
     };
     let dependent_launch = match args.dependent_launch.as_str() {
-        "decode" => None,
+        "default" => None,
         "all" => Some(true),
         "none" => Some(false),
         other => {
             return Err(usage(format!(
-                "--dependent-launch: '{other}' is not accepted; expected decode, all or none"
+                "--dependent-launch: '{other}' is not accepted; expected default, all or none"
             )))
         }
     };

@@ -772,37 +772,46 @@ fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation()
     }
 }
 
-/// Enqueues `steps` decode calls of `case` on the same slots back to back, every input and
-/// output buffer made beforehand so that nothing runs on the stream between the kernels, and
-/// asserts the bits of the same calls run one at a time (host copies between them) on a twin
-/// layer: outputs, states, ring records and ring entries.
-fn check_back_to_back_decodes(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) {
+/// Enqueues `steps` calls of `case` on the same slots back to back, decode (`drafts` = 0) or
+/// spec_verify with `drafts` new tokens per sequence and random accepted counts, every input
+/// and output buffer made beforehand so that nothing runs on the stream between the kernels,
+/// and asserts the bits of the same calls run one at a time (host copies between them) on a
+/// twin layer: outputs, states, ring records and ring entries.
+fn check_back_to_back(cu: &CudaBackend, case: &Case, steps: usize, drafts: usize, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let (mut queued, mut single) = twin_layers(cu, case, case, &mut rng);
     let mem = cu.memory();
     let n = case.slots.len();
     let dims = case.dims();
+    let per_seq = drafts.max(1);
     let params = HostInputs::random(&mut rng, dims, 0, &case.opts, case.input_dtype);
-    let bounds: Vec<usize> = (0..=n).collect();
+    let bounds: Vec<usize> = (0..=n).map(|i| i * per_seq).collect();
     let inputs: Vec<HostInputs> = (0..steps)
         .map(|_| {
-            HostInputs::random(&mut rng, dims, n, &case.opts, case.input_dtype)
+            HostInputs::random(&mut rng, dims, n * per_seq, &case.opts, case.input_dtype)
                 .with_gate_params(&params.a_log, &params.dt_bias)
+        })
+        .collect();
+    // the first verify has no drafts before it to accept
+    let accepted: Vec<Vec<u32>> = (0..steps)
+        .map(|step| {
+            (0..n)
+                .map(|_| match step {
+                    0 => 0,
+                    _ => rng.random_range(0..=drafts as u32),
+                })
+                .collect()
         })
         .collect();
     let want: Vec<Vec<f32>> = inputs
         .iter()
-        .map(|inp| {
-            run_tokens(
-                cu,
-                &mut single,
-                TokenOp::Decode,
-                &bounds,
-                &case.slots,
-                inp,
-                &case.opts,
-            )
-            .expect("decode")
+        .zip(&accepted)
+        .map(|(inp, acc)| {
+            let op = match drafts {
+                0 => TokenOp::Decode,
+                _ => TokenOp::SpecVerify(acc),
+            };
+            run_tokens(cu, &mut single, op, &bounds, &case.slots, inp, &case.opts).expect("call")
         })
         .collect();
     let batch = cu
@@ -812,14 +821,29 @@ fn check_back_to_back_decodes(cu: &CudaBackend, case: &Case, steps: usize, seed:
         .iter()
         .map(|inp| DeviceInputs::upload(mem, inp, &case.opts).expect("upload"))
         .collect();
-    let (dtype, len) = (case.input_dtype, n * case.hv * case.v);
+    let acc_bufs: Vec<_> = accepted
+        .iter()
+        .map(|acc| upload_bytes(mem, bytemuck::cast_slice(acc)).expect("accepted counts"))
+        .collect();
+    let (dtype, len) = (case.input_dtype, n * per_seq * case.hv * case.v);
     let mut outs: Vec<_> = (0..steps)
         .map(|_| upload(mem, &vec![f32::NAN; len], dtype).expect("poisoned output"))
         .collect();
-    for (d, o) in dev.iter().zip(outs.iter_mut()) {
+    for ((d, o), acc) in dev.iter().zip(outs.iter_mut()).zip(&acc_bufs) {
         let mut out = TensorViewMut { buf: o, dtype, len };
-        cu.enqueue_decode(&batch, &d.view(), &case.opts, &mut queued.view(), &mut out)
-            .expect("enqueue");
+        let accepted = IndexView { buf: acc, len: n };
+        match drafts {
+            0 => cu.enqueue_decode(&batch, &d.view(), &case.opts, &mut queued.view(), &mut out),
+            _ => cu.enqueue_spec_verify(
+                &batch,
+                &accepted,
+                &d.view(),
+                &case.opts,
+                &mut queued.view(),
+                &mut out,
+            ),
+        }
+        .expect("enqueue");
     }
     cu.check_device_errors().expect("no device error");
     for (step, (o, w)) in outs.iter().zip(&want).enumerate() {
@@ -843,9 +867,28 @@ fn cuda_back_to_back_decodes_of_the_same_slots_give_the_bits_of_one_call_at_a_ti
         (Dtype::Fp32, 5),
     ] {
         let c = gva_case(state, ring_len);
-        check_back_to_back_decodes(&cu, &c, 12, 91 + ring_len as u64);
+        check_back_to_back(&cu, &c, 12, 0, 91 + ring_len as u64);
         eprintln!("{state} ring {ring_len}: 12 back-to-back decodes, equal bits");
     }
+}
+
+#[test]
+fn cuda_back_to_back_spec_verifies_of_the_same_slots_give_the_bits_of_one_call_at_a_time() {
+    // small spec_verify calls launch as dependent launches by default (sm_90), with the ring
+    // rows of every entry prefetched before the wait: each verify may start while the one
+    // before it still writes the same states, ring entries and records
+    let Some(cu) = cuda() else { return };
+    for (state, drafts, kernel) in [
+        (Dtype::Fp32, 2, None),
+        (Dtype::Fp16, 3, Some(RingKernel::Pipelined)),
+        (Dtype::Bf16, 4, Some(RingKernel::Tile)),
+    ] {
+        cu.set_ring_kernel(kernel).expect("ring kernel");
+        let c = gva_case(state, 2 * (drafts + 1));
+        check_back_to_back(&cu, &c, 10, drafts, 95 + drafts as u64);
+        eprintln!("{state}, {drafts} drafts, {kernel:?}: 10 back-to-back verifies, equal bits");
+    }
+    cu.set_ring_kernel(None).expect("ring kernel");
 }
 
 #[test]

@@ -498,27 +498,34 @@ const RING_TILE_DECODE_UPTO: usize = 128;
 /// The same for a replay (flush) call: 3-6% faster up to 64 items, level to 24% slower from 96.
 const RING_TILE_REPLAY_UPTO: usize = 64;
 
+/// Most items of a spec_verify call with two or more drafts that `kda_ring_tile` runs however
+/// many drafts. Such a call launches as a dependent launch ([`SPEC_DEPENDENT_UPTO`]), and then
+/// the tile kernel measured 1.7-14% faster than `kda_ring` at 128 items and level at 192-256
+/// (H200, T = 2 and 4, fp32 and fp16 pools: docs/performance.md, twentieth session). As for ring
+/// decode, a small call gives `kda_ring` one item per CTA and nothing to pipeline.
+const RING_TILE_SPEC_UPTO: usize = 128;
+
 /// The fewest items of a spec_verify call with `max_new` new tokens per sequence from which
 /// `kda_ring_tile` runs it, or `None` for never (one new token: decode's shape). One item per
-/// CTA pays where the items are many and long; a small call is better served by `kda_ring`'s
-/// persistent pipeline. Measured on the H200 for T = 2, 3, 4 at 192-8192 items of whole heads
-/// (docs/performance.md, nineteenth session): the thresholds are the item counts from which the
-/// tile kernel was level or faster for every larger call but one (2-byte T = 2 at 4096 items:
-/// 1% slower).
+/// CTA pays where the items are many and long; a call of a few hundred items is better served by
+/// `kda_ring`'s persistent pipeline. Measured on the H200 for T = 2, 3, 4 at 12-8192 items of
+/// whole heads (docs/performance.md, nineteenth and twentieth sessions): the thresholds are the
+/// item counts from which the tile kernel was level or faster for every larger call but one
+/// (2-byte T = 2 at 2048 items: 1% slower).
 fn ring_tile_from(state_size: usize, max_new: usize) -> Option<usize> {
     match (state_size, max_new) {
         (_, 0..=1) => None,
         (_, 4..) => Some(512),
-        (4, _) => Some(1024),
-        (_, 3) => Some(2048),
-        _ => Some(3072),
+        (2, 3) => Some(2048),
+        _ => Some(1024),
     }
 }
 
 /// The ring kernel of a call of `op`, or `None` for `kda_step`: `forced`
 /// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_tile` for small ring
 /// decode and replay calls ([`RING_TILE_DECODE_UPTO`], [`RING_TILE_REPLAY_UPTO`] items) and
-/// spec_verify calls from [`ring_tile_from`]'s item count, and `kda_ring` for the rest (ring
+/// spec_verify calls of two or more drafts up to [`RING_TILE_SPEC_UPTO`] items or from
+/// [`ring_tile_from`]'s item count, and `kda_ring` for the rest (ring
 /// decode and replay measured 2-24% slower with the tile kernel at N >= 64: docs/performance.md,
 /// eighteenth and nineteenth sessions).
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
@@ -530,9 +537,8 @@ fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<Ring
             match op {
                 Op::Decode => items <= RING_TILE_DECODE_UPTO,
                 Op::Replay => items <= RING_TILE_REPLAY_UPTO,
-                Op::SpecVerify => {
-                    ring_tile_from(s.state_size, s.max_new).is_some_and(|from| items >= from)
-                }
+                Op::SpecVerify => ring_tile_from(s.state_size, s.max_new)
+                    .is_some_and(|from| items <= RING_TILE_SPEC_UPTO || items >= from),
                 Op::Prefill => false,
             }
         }
@@ -652,8 +658,9 @@ impl CudaBackend {
     /// token rows, at most 16 pending and new tokens per sequence), else `kda_step`. `None` (the
     /// default) picks per call (`ring_choice`): `kda_ring_tile` for ring decode calls of at most
     /// 128 items (sequences x value heads at K = V = 128), replay calls of at most 64, and
-    /// spec_verify calls of at least `ring_tile_from`'s items (512 with 4 or more drafts per
-    /// sequence, 1024 to 3072 with 2 or 3); `kda_ring` for the rest. All give the same bits.
+    /// spec_verify calls with two or more drafts per sequence of at most 128 items or at least
+    /// `ring_tile_from`'s (512 with 4 or more drafts, 1024 with 2, 1024 or 2048 with 3);
+    /// `kda_ring` for the rest. All give the same bits.
     pub fn set_ring_kernel(&self, kernel: Option<RingKernel>) -> Result<()> {
         *self.ring_kernel.lock() = kernel;
         Ok(())
@@ -662,10 +669,13 @@ impl CudaBackend {
     /// Chooses whether the KDA kernels launch as programmatic dependent launches (sm_90 and
     /// later): the kernel's CTAs may be scheduled while the previous kernel on the stream
     /// retires; until they have waited for it they only read the batch's slots and prefetch
-    /// their first state tiles into L2. `Some(true)` every operation, `Some(false)` none, `None`
-    /// (the default) decode only; never on devices before sm_90. On the H200 it made decode at
-    /// N = 1 11-16% faster and N >= 64 up to 4% faster, and spec_verify (T = 4) and replay up to
-    /// 3.6% slower (docs/performance.md, eleventh and twelfth sessions).
+    /// their first state tiles (and ring rows) into L2. `Some(true)` every operation,
+    /// `Some(false)` none, `None` (the default) decode and spec_verify calls of at most 512 items
+    /// (sequences x value heads at K = V = 128) by a ring kernel; never on devices before sm_90.
+    /// On the H200 it made decode at N = 1 11-16% faster and N >= 64 up to 4% faster
+    /// (docs/performance.md, eleventh and twelfth sessions), spec_verify calls of up to 512
+    /// items 2-12% faster, larger ones up to 5% slower, and replay 1-9% slower (twentieth
+    /// session).
     pub fn set_dependent_launch(&self, on: Option<bool>) -> Result<()> {
         *self.dependent_launch.lock() = on;
         Ok(())
@@ -1042,6 +1052,7 @@ impl CudaBackend {
         };
         let dependent = dependent_launch(
             call.op,
+            ring_pipe.map(|_| items),
             *self.dependent_launch.lock(),
             self.has_dependent_launch,
         );
@@ -1114,11 +1125,28 @@ impl CudaBackend {
     }
 }
 
+/// Most items of a spec_verify call by a ring kernel that launches as a dependent launch by
+/// default: up to here it measured 1-12% faster than a plain launch on the H200 (T = 2 and 4,
+/// fp32 and fp16 pools), at 768 items level to 4% faster, from 2048 items 1-5% slower
+/// (docs/performance.md, twentieth session).
+const SPEC_DEPENDENT_UPTO: usize = 512;
+
 /// Whether a call of `op` launches as a programmatic dependent launch, given the backend's
-/// choice (`CudaBackend::set_dependent_launch`; `None`: decode only, where it was measured
+/// choice (`CudaBackend::set_dependent_launch`; `None`: decode, and spec_verify calls of at
+/// most [`SPEC_DEPENDENT_UPTO`] items by a ring kernel (`ring_items`), where it was measured
 /// faster) and whether the device has it (`capable`: sm_90 and later).
-fn dependent_launch(op: Op, choice: Option<bool>, capable: bool) -> bool {
-    capable && choice.unwrap_or(op == Op::Decode)
+fn dependent_launch(
+    op: Op,
+    ring_items: Option<usize>,
+    choice: Option<bool>,
+    capable: bool,
+) -> bool {
+    capable
+        && choice.unwrap_or(match op {
+            Op::Decode => true,
+            Op::SpecVerify => ring_items.is_some_and(|items| items <= SPEC_DEPENDENT_UPTO),
+            Op::Replay | Op::Prefill => false,
+        })
 }
 
 /// Launches `func(params)` on `stream`; with `dependent`, as a programmatic dependent launch:
@@ -1660,28 +1688,28 @@ mod tests {
             s.heads = heads;
             ring_choice(&s, op, None).map(|p| p.tile)
         };
-        // whole heads of 128 columns: one item per head. T = 4 from 512 items; fp32 T = 2 and 3
-        // from 1024; 2-byte T = 3 from 2048, T = 2 from 3072
+        // whole heads of 128 columns: one item per head. Up to 128 items with any number of
+        // drafts; T = 4 from 512 items, T = 2 from 1024, fp32 T = 3 from 1024, 2-byte from 2048
         for (state_size, max_new, from) in [
             (4, 4, 512),
             (2, 4, 512),
             (4, 3, 1024),
             (4, 2, 1024),
             (2, 3, 2048),
-            (2, 2, 3072),
+            (2, 2, 1024),
         ] {
             let case = format!("{state_size}-byte pool, T = {max_new}");
-            for heads in [from / 2, from - 1] {
-                assert_eq!(
-                    tile(state_size, max_new, heads, Op::SpecVerify),
-                    Some(false),
-                    "{case}, {heads}"
-                );
-            }
-            for heads in [from, 8192] {
+            for heads in [1, 12, 128, from, 8192] {
                 assert_eq!(
                     tile(state_size, max_new, heads, Op::SpecVerify),
                     Some(true),
+                    "{case}, {heads}"
+                );
+            }
+            for heads in [129, from / 2, from - 1] {
+                assert_eq!(
+                    tile(state_size, max_new, heads, Op::SpecVerify),
+                    Some(false),
                     "{case}, {heads}"
                 );
             }
@@ -1743,28 +1771,41 @@ mod tests {
     }
 
     #[test]
-    fn dependent_launch_is_for_decode_on_sm90_unless_chosen() {
+    fn dependent_launch_is_for_decode_and_small_ring_spec_calls_on_sm90_unless_chosen() {
         for op in [Op::Decode, Op::SpecVerify, Op::Replay] {
-            assert_eq!(
-                dependent_launch(op, None, true),
-                op == Op::Decode,
-                "{op:?} by default"
-            );
-            assert!(
-                dependent_launch(op, Some(true), true),
-                "{op:?} when asked for"
-            );
-            assert!(
-                !dependent_launch(op, Some(false), true),
-                "{op:?} when turned off"
-            );
-            for choice in [None, Some(true)] {
-                assert!(
-                    !dependent_launch(op, choice, false),
-                    "{op:?}: never before sm_90 (the kernels' wait is compiled out there)"
+            for ring_items in [None, Some(1), Some(SPEC_DEPENDENT_UPTO), Some(8192)] {
+                let case = format!("{op:?}, {ring_items:?} ring items");
+                let small_ring_spec =
+                    op == Op::SpecVerify && ring_items.is_some_and(|i| i <= SPEC_DEPENDENT_UPTO);
+                assert_eq!(
+                    dependent_launch(op, ring_items, None, true),
+                    op == Op::Decode || small_ring_spec,
+                    "{case} by default"
                 );
+                assert!(
+                    dependent_launch(op, ring_items, Some(true), true),
+                    "{case} when asked for"
+                );
+                assert!(
+                    !dependent_launch(op, ring_items, Some(false), true),
+                    "{case} when turned off"
+                );
+                for choice in [None, Some(true)] {
+                    assert!(
+                        !dependent_launch(op, ring_items, choice, false),
+                        "{case}: never before sm_90 (the kernels' wait is compiled out there)"
+                    );
+                }
             }
         }
+        // a spec call of kda_step (no ring plan: stochastic rounding) launches plainly
+        assert!(!dependent_launch(Op::SpecVerify, None, None, true));
+        assert!(!dependent_launch(
+            Op::SpecVerify,
+            Some(SPEC_DEPENDENT_UPTO + 1),
+            None,
+            true
+        ));
     }
 
     #[test]
