@@ -498,8 +498,8 @@ const RING_TILE_DECODE_UPTO: usize = 128;
 /// The same for a replay (flush) call: 3-6% faster up to 64 items, level to 24% slower from 96.
 const RING_TILE_REPLAY_UPTO: usize = 64;
 
-/// Most items of a spec_verify call with two or more drafts that `kda_ring_tile` runs however
-/// many drafts. Such a call launches as a dependent launch ([`SPEC_DEPENDENT_UPTO`]), and then
+/// Most items of a spec_verify call (two or more drafts, any number) that `kda_ring_tile`
+/// runs. Such a call launches as a dependent launch ([`SPEC_DEPENDENT_UPTO`]), and then
 /// the tile kernel measured 1.7-14% faster than `kda_ring` at 128 items and level at 192-256
 /// (H200, T = 2 and 4, fp32 and fp16 pools: docs/performance.md, twentieth session). As for ring
 /// decode, a small call gives `kda_ring` one item per CTA and nothing to pipeline.
@@ -674,7 +674,7 @@ impl CudaBackend {
     /// (sequences x value heads at K = V = 128) by a ring kernel; never on devices before sm_90.
     /// On the H200 it made decode at N = 1 11-16% faster and N >= 64 up to 4% faster
     /// (docs/performance.md, eleventh and twelfth sessions), spec_verify calls of up to 512
-    /// items 2-12% faster, larger ones up to 5% slower, and replay 1-9% slower (twentieth
+    /// items 1-12% faster, larger ones up to 5% slower, and replay 1-9% slower (twentieth
     /// session).
     pub fn set_dependent_launch(&self, on: Option<bool>) -> Result<()> {
         *self.dependent_launch.lock() = on;
