@@ -75,7 +75,8 @@ pub struct CudaBackend {
     eager_stages: Mutex<Option<usize>>,
     /// The kernel of calls with a ring (`None`: per call, `ring_choice`).
     ring_kernel: Mutex<Option<RingKernel>>,
-    /// Whether kernels launch as programmatic dependent launches (`None`: decode only).
+    /// Whether kernels launch as programmatic dependent launches (`None`: per call,
+    /// `dependent_launch`).
     dependent_launch: Mutex<Option<bool>>,
     /// Whether the device has programmatic dependent launch (sm_90 and later; the kernels'
     /// wait is compiled only there).
