@@ -66,7 +66,7 @@ pub(crate) struct KdaParams {
     /// `kda_ring`: token rows per stage (ring length + most new tokens of a sequence).
     pub ring_mt: u32,
     /// Nonzero for a programmatic dependent launch: the eager and ring kernels prefetch their
-    /// first items' state tiles (`kda_ring_tile` and `kda_step` also ring rows) into L2 before
+    /// first items' state tiles (`kda_ring_tile` also its item's ring rows) into L2 before
     /// `griddepcontrol.wait` (0 otherwise): `EARLY_PREFETCH` or `EARLY_SLOT_ONCE`.
     pub early: u32,
     /// `kda_ring`: bytes per asynchronous copy of a token row (4, 8 or 16).
