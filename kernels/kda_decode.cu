@@ -1471,6 +1471,7 @@ constexpr int MOVE_DIRECT = 0; // global memory <-> registers
 constexpr int MOVE_STAGED = 1; // in through shared memory by cp.async, out from registers
 constexpr int MOVE_BULK = 2;   // in and out through shared memory by bulk copies
 constexpr int MOVE_BULK_IN = 3; // in through shared memory by bulk copies, out from registers
+constexpr int MOVE_STREAM = 4;  // as MOVE_BULK, the token step streamed from shared memory
 
 // A K-first tile in shared memory for bulk copies: K rows of cw columns, the TK rows of lane
 // group lk shifted by lk WC elements. The lanes of a column group read the same columns of rows
@@ -1519,6 +1520,128 @@ __device__ __forceinline__ void tile_bulk(ST* t, ST* head, int cb, int cw, int c
     }
 }
 
+// Elements of one piece of a lane's tile (load_tile's vectors: K-first a row's TV columns,
+// V-first RG rows of one column), pieces per lane, and whether a piece is one vector.
+constexpr int PE = VFIRST ? RG : TV;
+constexpr int NPC = VFIRST ? TV * NG : TK;
+constexpr bool PIECE_VEC = VFIRST ? RG > 1 : KF_VEC;
+static_assert(!PIECE_VEC || sizeof(ST) != 2 || PE == 4 || PE == 8, "a 2-byte piece vector of 4 or 8 elements");
+
+// Piece i of the lane's tile in a bulk tile (columns from col0, relative to the item's first;
+// V: no columns): its first element's offset, first K row and first column (relative). Every
+// column's rows come in ascending order over i, the order of token_step's sums.
+struct TilePiece {
+    int off, row, col;
+    bool whole; // its vector load fits (K-first: the row, and col0 valid; V-first: the column)
+};
+__device__ __forceinline__ TilePiece tile_piece(int i, int lk, int col0, int rs) {
+    if constexpr (!VFIRST) {
+        const int kr = row_of(lk, i);
+        return {kr * rs + col0, kr, col0, kr < K && col0 < V};
+    } else {
+        const int c = i / NG, k0 = ((i % NG) * LK + lk) * RG, col = col0 + c;
+        return {col * K + k0, k0, col, col < V && k0 < K};
+    }
+}
+// Row and lane column (0..TV) of element e of piece i, and its offset in the head as the
+// stochastic stream counts it (store_tile's: K-first rows of V).
+__device__ __forceinline__ int piece_row(const TilePiece& t, int e) { return VFIRST ? t.row + e : t.row; }
+__device__ __forceinline__ int piece_c(int i, int e) { return VFIRST ? i / NG : e; }
+__device__ __forceinline__ kda_u32 piece_elem(const TilePiece& t, int e) {
+    return (kda_u32)(VFIRST ? t.col * K + t.row + e : t.row * V + t.col + e);
+}
+
+// The elements of a piece as f32 (0 outside the tile, as load_tile).
+__device__ __forceinline__ void piece_load(const ST* bt, const TilePiece& t, float (&x)[PE]) {
+    if constexpr (PIECE_VEC) {
+        if (t.whole) {
+            kda_load_vec<ST, PE>(bt + t.off, x);
+        } else {
+#pragma unroll
+            for (int e = 0; e < PE; ++e) x[e] = 0.0f;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < PE; ++e) {
+            const bool in = VFIRST ? t.whole : (t.row < K && t.col + e < V);
+            x[e] = in ? kda_load(bt[t.off + e]) : 0.0f;
+        }
+    }
+}
+
+// token_step for kda_eager_tile_stream: the lane's tile stays in the bulk tile `tile` (K-first
+// rows of rs elements, the lane's shift applied) and is read twice, once for k S and once for
+// the update and the read-out, which writes it back in place through the element type (as
+// store_tile: the stochastic offsets from elem0, K-first rows of V). The same operations in the
+// same order as token_step with `out`, so the same bits; few registers, so more CTAs per SM.
+template <bool SR>
+__device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, int rs, const float* k, const float* d,
+                                                  const float* q, const float* vp, int vlim, float beta,
+                                                  float (&o)[TV], kda_u32 base, kda_u32 elem0) {
+    float acc[TV];
+#pragma unroll
+    for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NPC; ++i) {
+        const TilePiece t = tile_piece(i, lk, col0, rs);
+        float x[PE];
+        piece_load(tile, t, x);
+#pragma unroll
+        for (int e = 0; e < PE; ++e) {
+            const int r = piece_row(t, e), c = piece_c(i, e);
+            acc[c] = fmaf(k[r], x[e] * d[r], acc[c]);
+        }
+    }
+    reduce_k(acc);
+    float u[TV];
+#pragma unroll
+    for (int c = 0; c < TV; ++c) {
+        const float vv = c < vlim ? vp[c] : 0.0f;
+        u[c] = beta * (vv - acc[c]);
+        o[c] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < NPC; ++i) {
+        const TilePiece t = tile_piece(i, lk, col0, rs);
+        float x[PE];
+        piece_load(tile, t, x);
+#pragma unroll
+        for (int e = 0; e < PE; ++e) {
+            const int r = piece_row(t, e), c = piece_c(i, e);
+            x[e] = fmaf(k[r], u[c], x[e] * d[r]);
+            o[c] = fmaf(q[r], x[e], o[c]);
+        }
+        if (col0 >= V) continue; // a lane past the item's columns: sums only
+        if constexpr (PIECE_VEC && !SR) {
+            // (stochastic stores element by element: four hashes at once spilled registers)
+            if (!t.whole) continue;
+            if constexpr (sizeof(ST) == 2) {
+                // two elements per conversion instruction (same bits as one at a time)
+                kda_u32 w[cmax(1, PE / 2)];
+#pragma unroll
+                for (int m = 0; m < PE / 2; ++m) w[m] = kda_pack2_rn<ST>(x[2 * m], x[2 * m + 1]);
+                if constexpr (PE == 8) {
+                    *reinterpret_cast<uint4*>(tile + t.off) = make_uint4(w[0], w[1], w[2], w[3]);
+                } else {
+                    *reinterpret_cast<uint2*>(tile + t.off) = make_uint2(w[0], w[1]);
+                }
+            } else {
+                ST y[PE];
+#pragma unroll
+                for (int e = 0; e < PE; ++e) y[e] = round_elem<false>(x[e], 0u, 0u);
+                kda_store_vec<ST, PE>(tile + t.off, y);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < PE; ++e) {
+                const int r = piece_row(t, e), col = VFIRST ? t.col : t.col + e;
+                if (r < K && col < V) tile[t.off + e] = round_elem<SR>(x[e], base, elem0 + piece_elem(t, e));
+            }
+        }
+    }
+    reduce_k(o);
+}
+
 // Eager decode, one item per CTA (item = blockIdx.x, the grid covers the items): the state
 // tile goes from global memory into registers with no pipeline; many CTAs per SM keep the loads
 // in flight instead. MOVE (MOVE_*) says how the tile moves: straight into registers (DIRECT);
@@ -1537,10 +1660,19 @@ __device__ __forceinline__ void tile_bulk(ST* t, ST* head, int cb, int cw, int c
 // the CTA's chain but measured faster for some K-first shapes (`slot_once_for` in backend.rs).
 // fp32 K-first bulk tiles always read it again (SLOT_AGAIN), compiled so: as a runtime choice
 // the branch alone cost them 0.2-0.9% on the H200.
+// The head's offset in the slot's ssm plane, as the stochastic stream counts it, of a tile
+// stored from the item's first column (IN_TILE: into its bulk tile, columns relative to cb) or
+// from the head's.
+template <bool IN_TILE>
+__device__ __forceinline__ kda_u32 tile_elem0(size_t hv, int cb) {
+    return (kda_u32)hv * (kda_u32)(K * V) + (IN_TILE ? (kda_u32)(VFIRST ? cb * K : cb) : 0u);
+}
+
 template <int MOVE>
 __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
-    constexpr bool STAGED = MOVE == MOVE_STAGED, BULK = MOVE == MOVE_BULK || MOVE == MOVE_BULK_IN;
-    constexpr bool BULK_OUT = MOVE == MOVE_BULK;
+    constexpr bool STAGED = MOVE == MOVE_STAGED, STREAM = MOVE == MOVE_STREAM;
+    constexpr bool BULK = MOVE == MOVE_BULK || MOVE == MOVE_BULK_IN || STREAM;
+    constexpr bool BULK_OUT = MOVE == MOVE_BULK || STREAM;
     constexpr bool SLOT_AGAIN = BULK && !VFIRST && sizeof(ST) == 4;
     extern __shared__ __align__(16) unsigned char eager_dsm[];
     __shared__ kda_u64 bulk_bar;
@@ -1663,7 +1795,9 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int bcol = col0l < cwv ? col0l : V;
     if constexpr (BULK) {
         bulk_bar_wait(&bulk_bar);
-        if constexpr (TILE_WORDS) {
+        if constexpr (STREAM) {
+            // the tile stays in shared memory (token_step_stream)
+        } else if constexpr (TILE_WORDS) {
             load_tile_words(bl, lk, bcol, w, cw);
             tile_from_words(w, s);
         } else {
@@ -1675,19 +1809,30 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         tile_from_words(w, s);
     }
     float o[TV];
-    token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
+    if constexpr (STREAM) {
+        const kda_u32 elem0 = tile_elem0<true>(hv, it.cb);
+        if (p.sr) {
+            const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+            token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
+                                    kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
+        } else {
+            token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
+        }
+    } else {
+        token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
+    }
     if (!BULK_OUT && col0l >= cwv) return;
     if (col0l < cwv) {
         if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
         // BULK_OUT: into the bulk tile where it came from (columns relative to the item's
-        // first; the stochastic stream's offsets stay the head's: elem0 moved to that column),
-        // then out by bulk copies below
+        // first), then out by bulk copies below
         ST* const dst = BULK_OUT ? bl : head;
         const int dcol = BULK_OUT ? col0l : col0;
-        const kda_u32 elem0 =
-            (kda_u32)hv * (kda_u32)(K * V) + (BULK_OUT ? (kda_u32)(VFIRST ? it.cb * K : it.cb) : 0u);
+        const kda_u32 elem0 = tile_elem0<BULK_OUT>(hv, it.cb);
         const int rs = BULK_OUT ? cw : V;
-        if (p.sr) {
+        if constexpr (STREAM) {
+            // there already (token_step_stream)
+        } else if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
             store_tile<true>(dst, lk, dcol, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0, rs);
         } else {
@@ -1722,4 +1867,16 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk(const KdaPa
 // kda_eager_tile_bulk with its updated tile stored from registers, as kda_eager_tile does.
 extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const KdaParams p) {
     eager_tile_run<MOVE_BULK_IN>(p);
+}
+
+// CTAs of 8 warps per SM that kda_eager_tile_stream's registers allow: for 2-byte K-first pools
+// as many as their bulk tiles of whole heads fit in shared memory (6 at K = V = 128, 40
+// registers); 3 for fp32 pools (their 64 KB tiles fit 3 times) and 2-byte V-first pools (with
+// fewer than 80 registers they spilled).
+#define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
+
+// kda_eager_tile_bulk with its token step streamed from the bulk tile (token_step_stream), so
+// a thread holds no tile in registers and more CTAs share an SM; same bits.
+extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_STREAM_CTAS) kda_eager_tile_stream(const KdaParams p) {
+    eager_tile_run<MOVE_STREAM>(p);
 }

@@ -654,6 +654,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     ("decode-staged", EagerKernel::StagedTile),
                                     ("decode-bulk", EagerKernel::BulkTile),
                                     ("decode-bulkin", EagerKernel::BulkInTile),
+                                    ("decode-stream", EagerKernel::StreamTile),
                                     ("decode-blocked", EagerKernel::Step),
                                 ] {
                                     be.set_eager_kernel(Some(k)).map_err(kerr)?;

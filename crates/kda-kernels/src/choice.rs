@@ -22,6 +22,10 @@ pub enum EagerKernel {
     /// `kda_eager_tile_bulk_in`: `BulkTile` with its updated tile stored from registers, as
     /// `Tile` does; same bits.
     BulkInTile,
+    /// `kda_eager_tile_stream`: `BulkTile` with its token step streamed from the tile in shared
+    /// memory (read twice, written back in place) instead of held in registers, so more CTAs
+    /// share an SM; same bits.
+    StreamTile,
     /// The general kernel of every operation, one item per CTA (`kda_step`).
     Step,
 }

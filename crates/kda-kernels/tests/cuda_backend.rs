@@ -301,7 +301,7 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
 
 /// Runs `steps` eager decode steps of `case` with each of the pipelined kernel and the tile
 /// kernels (`kda_eager_tile`, `kda_eager_tile_staged`, `kda_eager_tile_bulk`,
-/// `kda_eager_tile_bulk_in`) on one layer and the general kernel
+/// `kda_eager_tile_bulk_in`, `kda_eager_tile_stream`) on one layer and the general kernel
 /// (`kda_step`) on its twin, from the same states and inputs; asserts equal bits of outputs and
 /// states after every step.
 fn check_fast_eager_kernels_match_the_general_one(
@@ -316,6 +316,7 @@ fn check_fast_eager_kernels_match_the_general_one(
         EagerKernel::StagedTile,
         EagerKernel::BulkTile,
         EagerKernel::BulkInTile,
+        EagerKernel::StreamTile,
     ] {
         let mut rng = StdRng::seed_from_u64(seed);
         let (mut fast, mut general) = twin_layers(cu, case, case, &mut rng);

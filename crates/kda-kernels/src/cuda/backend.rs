@@ -180,8 +180,8 @@ struct EagerShape {
 const WHOLE_HEAD_FROM: usize = 1536;
 
 /// A launch of an eager kernel: the pipelined one, or a tile kernel (`tile`: `kda_eager_tile`,
-/// `kda_eager_tile_staged`, `kda_eager_tile_bulk` or `kda_eager_tile_bulk_in`), which runs the
-/// same items (warps, column blocks) one per CTA.
+/// `kda_eager_tile_staged`, `kda_eager_tile_bulk`, `kda_eager_tile_bulk_in` or
+/// `kda_eager_tile_stream`), which runs the same items (warps, column blocks) one per CTA.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct EagerPlan {
     warps: usize,
@@ -216,7 +216,10 @@ const SLOT_AGAIN_2_BYTE_K_FIRST: std::ops::Range<usize> = 192..WHOLE_HEAD_FROM;
 /// K-first bulk tiles (whole heads, their bulk copies then right behind the L2 prefetch of the
 /// same 64 KB) were 1-7% slower.
 fn slot_once_for(e: &EagerShape, tile: Option<TileMove>) -> bool {
-    let bulk = matches!(tile, Some(TileMove::Bulk | TileMove::BulkIn));
+    let bulk = matches!(
+        tile,
+        Some(TileMove::Bulk | TileMove::BulkIn | TileMove::Stream)
+    );
     e.v_first
         || match e.state_size {
             2 => !SLOT_AGAIN_2_BYTE_K_FIRST.contains(&e.heads),
@@ -310,7 +313,9 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let warps = match e.fixed_warps {
         Some(w) => w.min(wph),
         // K-first bulk copies: whole heads (one block per lane group)
-        None if bulk.is_some() && !e.v_first => wph.min(8),
+        None if (bulk.is_some() || e.kernel == Some(EagerKernel::StreamTile)) && !e.v_first => {
+            wph.min(8)
+        }
         None if two_byte_kf && e.heads >= WHOLE_HEAD_FROM => wph.min(8),
         // the pipelined kernel on fp32 pools with fewer 4-warp CTAs than SMs (N = 1): 2 warps,
         // twice the CTAs (the H200 sweep: 4.05 against 4.33 us at H = 12, N = 1); 4 for
@@ -357,7 +362,8 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             EagerKernel::Tile
             | EagerKernel::StagedTile
             | EagerKernel::BulkTile
-            | EagerKernel::BulkInTile,
+            | EagerKernel::BulkInTile
+            | EagerKernel::StreamTile,
         ) => true,
         _ if bulk.is_some() => true,
         _ => {
@@ -373,6 +379,7 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         (Some(EagerKernel::StagedTile), _) => TileMove::Staged,
         (Some(EagerKernel::BulkTile), _) => TileMove::Bulk,
         (Some(EagerKernel::BulkInTile), _) => TileMove::BulkIn,
+        (Some(EagerKernel::StreamTile), _) => TileMove::Stream,
         (None, Some(mv)) => mv,
         (None, None) if two_byte_kf && items <= STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms => {
             TileMove::Staged
@@ -390,7 +397,7 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
                 None => stages * stage,
                 Some(TileMove::Direct) => 0,
                 Some(TileMove::Staged) => r16(e.k * cw * e.state_size),
-                Some(TileMove::Bulk | TileMove::BulkIn) => {
+                Some(TileMove::Bulk | TileMove::BulkIn | TileMove::Stream) => {
                     bulk_tile_bytes(e.k, cw, e.v_first, e.state_size)
                 }
             },
@@ -648,7 +655,8 @@ impl CudaBackend {
     /// fp32 and 2-byte V-first pools and for small 2-byte K-first calls (the smallest with
     /// `kda_eager_tile_staged`), the pipelined kernel for mid-size 2-byte K-first calls, and on
     /// a device with bulk copies `kda_eager_tile_bulk` for big K-first and fp32 V-first calls
-    /// and `kda_eager_tile_bulk_in` for mid-size V-first and 2-byte K-first ones (`eager_plan`).
+    /// and `kda_eager_tile_bulk_in` for mid-size V-first and 2-byte K-first ones (`eager_plan`);
+    /// `kda_eager_tile_stream` only when forced.
     pub fn set_eager_kernel(&self, kernel: Option<EagerKernel>) -> Result<()> {
         *self.eager_kernel.lock() = kernel;
         Ok(())
@@ -990,6 +998,15 @@ impl CudaBackend {
                 // (no driver call for kda_eager_tile, which has no dynamic shared memory)
                 if smem > 0 {
                     Self::opt_in_smem(&f, name, smem)?;
+                }
+                // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit:
+                // all of the SM's shared memory, not the L1 the driver might keep
+                if mv == TileMove::Stream {
+                    f.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                        100,
+                    )
+                    .map_err(|e| device_err(&format!("{name} shared memory carveout"), e))?;
                 }
                 (f, name, smem, None)
             }
@@ -1579,6 +1596,41 @@ mod tests {
     }
 
     #[test]
+    fn the_streamed_tile_kernel_runs_only_when_asked_and_then_takes_whole_k_first_heads() {
+        let with_bulk = |size, heads, v_first| EagerShape {
+            bulk: true,
+            ..shape(size, heads, v_first)
+        };
+        // never by default: not yet measured against the kernels the defaults chose
+        for (size, v_first) in [(2, false), (2, true), (4, false), (4, true)] {
+            for heads in [12, 96, 384, 768, 2048, 8192] {
+                let p = eager_plan(&with_bulk(size, heads, v_first)).expect("plan");
+                assert_ne!(p.tile, Some(TileMove::Stream), "{size}-byte, {heads} heads");
+            }
+        }
+        // forced: whole heads for K-first pools (its bulk copies one block per lane group),
+        // as the default bulk tiles, and, as theirs, an fp32 pool's slot read again after a
+        // dependent launch's wait (SLOT_AGAIN in the kernel)
+        for (size, heads, slot_once) in [
+            (2, 12, true),
+            (2, 768, false),
+            (2, 8192, true),
+            (4, 8192, false),
+        ] {
+            let mut e = with_bulk(size, heads, false);
+            e.kernel = Some(EagerKernel::StreamTile);
+            let p = eager_plan(&e).expect("plan");
+            assert_eq!(
+                (p.tile, p.warps),
+                (Some(TileMove::Stream), 8),
+                "{size}-byte, {heads} heads"
+            );
+            assert_eq!(p.smem, (128 * 128 + 8 * 16) * size);
+            assert_eq!(p.slot_once, slot_once, "{size}-byte, {heads} heads");
+        }
+    }
+
+    #[test]
     fn eager_plan_moves_the_tile_of_big_calls_through_shared_memory_only_when_asked() {
         for (kernel, mv) in [
             (None, TileMove::Direct),
@@ -1586,6 +1638,7 @@ mod tests {
             (Some(EagerKernel::StagedTile), TileMove::Staged),
             (Some(EagerKernel::BulkTile), TileMove::Bulk),
             (Some(EagerKernel::BulkInTile), TileMove::BulkIn),
+            (Some(EagerKernel::StreamTile), TileMove::Stream),
         ] {
             for (size, v_first) in [(2, false), (2, true), (4, false)] {
                 let mut e = shape(size, 768, v_first);

@@ -55,6 +55,7 @@ enum Key {
     EagerTileStaged(StepKey),
     EagerTileBulk(StepKey),
     EagerTileBulkIn(StepKey),
+    EagerTileStream(StepKey),
     Ring(StepKey),
     RingTile(StepKey),
     Fill,
@@ -72,6 +73,7 @@ impl Key {
             Key::EagerTileStaged(_) => "kda_eager_tile_staged",
             Key::EagerTileBulk(_) => "kda_eager_tile_bulk",
             Key::EagerTileBulkIn(_) => "kda_eager_tile_bulk_in",
+            Key::EagerTileStream(_) => "kda_eager_tile_stream",
             Key::Ring(_) => "kda_ring",
             Key::RingTile(_) => "kda_ring_tile",
             Key::Fill => "kda_fill",
@@ -89,6 +91,7 @@ impl Key {
             | Key::EagerTileStaged(k)
             | Key::EagerTileBulk(k)
             | Key::EagerTileBulkIn(k)
+            | Key::EagerTileStream(k)
             | Key::Ring(k)
             | Key::RingTile(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
@@ -96,7 +99,7 @@ impl Key {
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (nine kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (ten kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -105,7 +108,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 9] {
+fn step_module(k: StepKey) -> [Key; 10] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -114,6 +117,7 @@ fn step_module(k: StepKey) -> [Key; 9] {
         Key::EagerTileStaged(k),
         Key::EagerTileBulk(k),
         Key::EagerTileBulkIn(k),
+        Key::EagerTileStream(k),
         Key::Ring(k),
         Key::RingTile(k),
     ]
@@ -320,6 +324,8 @@ pub(crate) enum TileMove {
     Bulk,
     /// In through shared memory by bulk copies, out from registers (`kda_eager_tile_bulk_in`).
     BulkIn,
+    /// As `Bulk`, the token step streamed from shared memory (`kda_eager_tile_stream`).
+    Stream,
 }
 
 /// The one-item-per-CTA eager-decode kernel that moves its tile as `mv`, specialised on
@@ -334,6 +340,7 @@ pub(crate) fn eager_tile_kernel(
         TileMove::Staged => Key::EagerTileStaged(key),
         TileMove::Bulk => Key::EagerTileBulk(key),
         TileMove::BulkIn => Key::EagerTileBulkIn(key),
+        TileMove::Stream => Key::EagerTileStream(key),
     };
     Ok((get(ctx, key)?, key.entry()))
 }
@@ -417,6 +424,7 @@ mod tests {
                 "kda_eager_tile_staged",
                 "kda_eager_tile_bulk",
                 "kda_eager_tile_bulk_in",
+                "kda_eager_tile_stream",
                 "kda_ring",
                 "kda_ring_tile"
             ]
