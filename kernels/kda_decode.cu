@@ -1569,6 +1569,18 @@ __device__ __forceinline__ void piece_load(const ST* bt, const TilePiece& t, flo
     }
 }
 
+// Calls f(i, piece, its elements as f32) for the lane's pieces i = 0.. of `tile` in order.
+template <typename F>
+__device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0, int rs, F&& f) {
+#pragma unroll
+    for (int i = 0; i < NPC; ++i) {
+        const TilePiece t = tile_piece(i, lk, col0, rs);
+        float x[PE];
+        piece_load(tile, t, x);
+        f(i, t, x);
+    }
+}
+
 // token_step for kda_eager_tile_stream: the lane's tile stays in the bulk tile `tile` (K-first
 // rows of rs elements, the lane's shift applied) and is read twice, once for k S and once for
 // the update and the read-out, which writes it back in place through the element type (as
@@ -1581,17 +1593,13 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     float acc[TV];
 #pragma unroll
     for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NPC; ++i) {
-        const TilePiece t = tile_piece(i, lk, col0, rs);
-        float x[PE];
-        piece_load(tile, t, x);
+    for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
             const int r = piece_row(t, e), c = piece_c(i, e);
             acc[c] = fmaf(k[r], x[e] * d[r], acc[c]);
         }
-    }
+    });
     reduce_k(acc);
     float u[TV];
 #pragma unroll
@@ -1600,21 +1608,17 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
         u[c] = beta * (vv - acc[c]);
         o[c] = 0.0f;
     }
-#pragma unroll
-    for (int i = 0; i < NPC; ++i) {
-        const TilePiece t = tile_piece(i, lk, col0, rs);
-        float x[PE];
-        piece_load(tile, t, x);
+    for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
             const int r = piece_row(t, e), c = piece_c(i, e);
             x[e] = fmaf(k[r], u[c], x[e] * d[r]);
             o[c] = fmaf(q[r], x[e], o[c]);
         }
-        if (col0 >= V) continue; // a lane past the item's columns: sums only
+        if (col0 >= V) return; // a lane past the item's columns: sums only
         if constexpr (PIECE_VEC && !SR) {
             // (stochastic stores element by element: four hashes at once spilled registers)
-            if (!t.whole) continue;
+            if (!t.whole) return;
             if constexpr (sizeof(ST) == 2) {
                 // two elements per conversion instruction (same bits as one at a time)
                 kda_u32 w[cmax(1, PE / 2)];
@@ -1638,7 +1642,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
                 if (r < K && col < V) tile[t.off + e] = round_elem<SR>(x[e], base, elem0 + piece_elem(t, e));
             }
         }
-    }
+    });
     reduce_k(o);
 }
 
