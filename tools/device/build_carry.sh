@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+#   tools/device/build_carry.sh NAME
+# Builds what a device call runs, here (the device has no Rust toolchain): the CLI and the GPU
+# test binary with the `cuda` feature, stripped, into .devbin/NAME (keep .devbin/ out of git:
+# .git/info/exclude), to name in the call's `carry`. On the device:
+#   .devbin/NAME/cuda_backend --test-threads 1 [FILTER]     the GPU tests
+#   .devbin/NAME/kda-pool bench ...                         the benchmark
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+name=${1:?usage: tools/device/build_carry.sh NAME}
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cudadev}"
+cargo build --release --features cuda
+test_bin=$(cargo test --release --features cuda -p kda-kernels --test cuda_backend --no-run --message-format=json |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda_backend" and m.get("executable"):
+        print(m["executable"])')
+out=".devbin/$name"
+mkdir -p "$out"
+cp "$CARGO_TARGET_DIR/release/kda-pool" "$out/kda-pool"
+cp "$test_bin" "$out/cuda_backend"
+strip "$out/kda-pool" "$out/cuda_backend"
+ls -l "$out"
