@@ -41,4 +41,9 @@ fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
     assert_usage_error(&["--spec-seqs", "x"], "--spec-seqs: 'x'");
     assert_usage_error(&["--warps", "9"], "1..=8");
     assert_usage_error(&["--stages", "4"], "2 or 3");
+    assert_usage_error(&["--forced", "bulk,fast"], "--forced: 'fast'");
+    assert_usage_error(
+        &["--forced", "some"],
+        "expected all, none or a list of piped, tile, staged, bulk, bulkin, stream, blocked, step",
+    );
 }

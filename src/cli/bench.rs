@@ -37,6 +37,49 @@ const RING_ROWS: [(&str, RingKernel); 3] = [
     ("step", RingKernel::Step),
 ];
 
+/// The eager kernels each eager decode case is also timed with, forced, and their rows'
+/// suffixes (`decode-piped`, ...).
+const EAGER_ROWS: [(&str, EagerKernel); 7] = [
+    ("piped", EagerKernel::Pipelined),
+    ("tile", EagerKernel::Tile),
+    ("staged", EagerKernel::StagedTile),
+    ("bulk", EagerKernel::BulkTile),
+    ("bulkin", EagerKernel::BulkInTile),
+    ("stream", EagerKernel::StreamTile),
+    ("blocked", EagerKernel::Step),
+];
+
+/// Which forced-kernel rows `--forced` asks for (by row suffix); `None`: all of them.
+struct Forced(Option<Vec<String>>);
+
+impl Forced {
+    fn parse(s: &str) -> Result<Self, CliError> {
+        let mut known: Vec<&str> = EAGER_ROWS.iter().map(|r| r.0).collect();
+        for (suffix, _) in RING_ROWS {
+            if !known.contains(&suffix) {
+                known.push(suffix);
+            }
+        }
+        match s {
+            "all" => Ok(Self(None)),
+            "none" => Ok(Self(Some(Vec::new()))),
+            _ => list(
+                "forced",
+                s,
+                |x| known.contains(&x).then(|| x.to_string()),
+                &format!("all, none or a list of {}", known.join(", ")),
+            )
+            .map(|v| Self(Some(v))),
+        }
+    }
+
+    fn wants(&self, suffix: &str) -> bool {
+        self.0
+            .as_ref()
+            .is_none_or(|v| v.iter().any(|x| x == suffix))
+    }
+}
+
 /// Arguments of `kda-pool bench`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -85,6 +128,11 @@ pub struct Args {
     /// choice: decode and small spec_verify calls), all or none (A/B in one binary).
     #[arg(long, default_value = "default")]
     pub dependent_launch: String,
+    /// Which forced-kernel rows to time besides each case's default row: all, none, or row
+    /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
+    /// blocked; with a ring: piped, tile, step).
+    #[arg(long, default_value = "all")]
+    pub forced: String,
 }
 
 fn usage(msg: impl Into<String>) -> CliError {
@@ -576,6 +624,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
             )))
         }
     };
+    let forced = Forced::parse(&args.forced)?;
+    let ring_rows: Vec<(&str, RingKernel)> = RING_ROWS
+        .into_iter()
+        .filter(|r| forced.wants(r.0))
+        .collect();
     if args.replays == 0 {
         return Err(usage("--replays: 0 is not accepted; expected at least 1"));
     }
@@ -648,18 +701,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let us = b.time(&mut s, kind, None)?;
                                 row(&mut b, "decode", us)?;
                                 // each eager kernel, same run (before/after)
-                                for (op, k) in [
-                                    ("decode-piped", EagerKernel::Pipelined),
-                                    ("decode-tile", EagerKernel::Tile),
-                                    ("decode-staged", EagerKernel::StagedTile),
-                                    ("decode-bulk", EagerKernel::BulkTile),
-                                    ("decode-bulkin", EagerKernel::BulkInTile),
-                                    ("decode-stream", EagerKernel::StreamTile),
-                                    ("decode-blocked", EagerKernel::Step),
-                                ] {
+                                for (op, k) in EAGER_ROWS.into_iter().filter(|r| forced.wants(r.0))
+                                {
                                     be.set_eager_kernel(Some(k)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;
-                                    row(&mut b, op, us)?;
+                                    row(&mut b, &format!("decode-{op}"), us)?;
                                 }
                                 be.set_eager_kernel(None).map_err(kerr)?;
                                 for &w in &warps {
@@ -701,7 +747,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let bytes = sb + sb / l as f64 + eb * ((l + 1) as f64 / 2.0 + 1.0);
                                 b.record("decode", h, n, 1, l, state, layout, sets, us, bytes)?;
                                 // each ring kernel, same run: kda_ring, kda_ring_tile, kda_step
-                                for (op, k) in RING_ROWS {
+                                for &(op, k) in &ring_rows {
                                     be.set_ring_kernel(Some(k)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, None)?;
                                     let op = format!("decode-{op}");
@@ -734,7 +780,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 // the default kernel, then each ring kernel forced
                                 let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                 b.record("spec", h, n, t, l, state, layout, sets, us, bytes)?;
-                                for (op, k) in RING_ROWS {
+                                for &(op, k) in &ring_rows {
                                     be.set_ring_kernel(Some(k)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                     let op = format!("spec-{op}");
@@ -778,7 +824,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 // kda_ring_tile, kda_step), same run; a graph keeps the kernel
                                 // chosen at its capture
                                 let rows = std::iter::once(("replay".to_string(), None)).chain(
-                                    RING_ROWS
+                                    ring_rows
                                         .iter()
                                         .map(|&(op, k)| (format!("replay-{op}"), Some(k))),
                                 );
