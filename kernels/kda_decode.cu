@@ -1528,8 +1528,9 @@ constexpr bool PIECE_VEC = VFIRST ? RG > 1 : KF_VEC;
 static_assert(!PIECE_VEC || sizeof(ST) != 2 || PE == 4 || PE == 8, "a 2-byte piece vector of 4 or 8 elements");
 
 // Piece i of the lane's tile in a bulk tile (columns from col0, relative to the item's first;
-// V: no columns): its first element's offset, first K row and first column (relative). Every
-// column's rows come in ascending order over i, the order of token_step's sums.
+// col0 = V for a lane past the item's columns, whose pieces are all outside): its first
+// element's offset, first K row and first column (relative). Every column's rows come in
+// ascending order over i, the order of token_step's sums.
 struct TilePiece {
     int off, row, col;
     bool whole; // its vector load fits (K-first: the row, and col0 valid; V-first: the column)
