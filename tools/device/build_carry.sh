@@ -4,7 +4,7 @@
 # test binary with the `cuda` feature, stripped, into .devbin/NAME (keep .devbin/ out of git:
 # .git/info/exclude), to name in the call's `carry`. On the device:
 #   .devbin/NAME/cuda_backend --test-threads 1 [FILTER]     the GPU tests
-#   .devbin/NAME/kda-pool bench ...                         the benchmark
+#   LD_LIBRARY_PATH=.devbin/NAME/lib .devbin/NAME/kda-pool bench ...   the benchmark
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 name=${1:?usage: tools/device/build_carry.sh NAME}
@@ -22,4 +22,10 @@ mkdir -p "$out"
 cp "$CARGO_TARGET_DIR/release/kda-pool" "$out/kda-pool"
 cp "$test_bin" "$out/cuda_backend"
 strip "$out/kda-pool" "$out/cuda_backend"
+# The device lacks some of the CLI's shared libraries (libfontconfig and its dependencies, for
+# plotters' `ttf` feature): carry them too, and run with LD_LIBRARY_PATH=.devbin/NAME/lib.
+mkdir -p "$out/lib"
+ldd "$out/kda-pool" | awk '$3 ~ /^\// {print $3}' |
+    grep -Ev '/(libc|libm|libgcc_s|libpthread|libdl|librt|ld-linux[^/]*)\.so' |
+    xargs -r cp -L -t "$out/lib"
 ls -l "$out"

@@ -271,12 +271,22 @@ const BULK_IN_V_FIRST_FROM: usize = 192;
 /// docs/performance.md, sixteenth session: 4-5% faster at 384 heads, 4% slower at 288).
 const BULK_IN_2_BYTE_K_FIRST_FROM: usize = 384;
 
+/// Value heads of a call from which a 2-byte K-first pool keeps its whole-head bulk tiles in
+/// shared memory through the token step (`kda_eager_tile_stream`: 40 registers, 6 CTAs per SM,
+/// against `kda_eager_tile_bulk`'s 115 and 2). H200 sweep (docs/performance.md, twenty-second
+/// session): 0.5-5% faster from 1920 heads (the more heads, the more), 0.7-18% slower at
+/// 384-1536, where its fewer, longer waves of CTAs leave a tail. fp32 and V-first pools were
+/// 2-20% slower with it at every size.
+const STREAM_2_BYTE_K_FIRST_FROM: usize = 1920;
+
 /// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
 fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     if !e.bulk {
         return None;
     }
-    if e.heads >= BULK_FROM && (!e.v_first || e.state_size == 4) {
+    if e.state_size == 2 && !e.v_first && e.heads >= STREAM_2_BYTE_K_FIRST_FROM {
+        Some(TileMove::Stream)
+    } else if e.heads >= BULK_FROM && (!e.v_first || e.state_size == 4) {
         Some(TileMove::Bulk)
     } else if (e.v_first && (BULK_IN_V_FIRST_FROM..BULK_FROM).contains(&e.heads))
         || (e.state_size == 2 && (BULK_IN_2_BYTE_K_FIRST_FROM..BULK_FROM).contains(&e.heads))
@@ -312,8 +322,15 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     };
     let warps = match e.fixed_warps {
         Some(w) => w.min(wph),
-        // K-first bulk copies: whole heads (one block per lane group)
-        None if (bulk.is_some() || e.kernel == Some(EagerKernel::StreamTile)) && !e.v_first => {
+        // K-first bulk copies, the plan's or asked for: whole heads (one block per lane group;
+        // row by row only with fixed warps)
+        None if (bulk.is_some()
+            || matches!(
+                e.kernel,
+                Some(EagerKernel::BulkTile | EagerKernel::BulkInTile | EagerKernel::StreamTile)
+            ))
+            && !e.v_first =>
+        {
             wph.min(8)
         }
         None if two_byte_kf && e.heads >= WHOLE_HEAD_FROM => wph.min(8),
@@ -1497,8 +1514,8 @@ mod tests {
         let mv = |e: &EagerShape| eager_plan(e).expect("plan").tile;
         // K-first pools from 512 heads: whole heads (8 warps), the rows of each lane group
         // shifted by a warp's columns in shared memory
-        for size in [4, 2] {
-            for heads in [512, 8192] {
+        for (size, biggest) in [(4, 8192), (2, 1919)] {
+            for heads in [512, biggest] {
                 let p = eager_plan(&with_bulk(size, heads, false)).expect("plan");
                 assert_eq!(p.tile, Some(TileMove::Bulk), "{size}-byte, {heads} heads");
                 assert_eq!((p.warps, p.vblocks), (8, 1));
@@ -1596,17 +1613,51 @@ mod tests {
     }
 
     #[test]
-    fn the_streamed_tile_kernel_runs_only_when_asked_and_then_takes_whole_k_first_heads() {
+    fn the_streamed_tile_kernel_takes_whole_2_byte_k_first_heads_of_big_calls() {
         let with_bulk = |size, heads, v_first| EagerShape {
             bulk: true,
             ..shape(size, heads, v_first)
         };
-        // never by default: not yet measured against the kernels the defaults chose
+        // by default: 2-byte K-first pools from 1920 heads on a device with bulk copies, whole
+        // heads, the slot read once
+        for heads in [1920, 2048, 8192] {
+            let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
+            assert_eq!(
+                (p.tile, p.warps, p.vblocks, p.slot_once),
+                (Some(TileMove::Stream), 8, 1, true),
+                "{heads} heads"
+            );
+            assert_eq!(p.smem, (128 * 128 + 8 * 16) * 2);
+        }
+        // not below, not for fp32 or V-first pools, not without bulk copies, not where another
+        // kernel or 4-warp items are asked for
         for (size, v_first) in [(2, false), (2, true), (4, false), (4, true)] {
-            for heads in [12, 96, 384, 768, 2048, 8192] {
+            for heads in [12, 96, 384, 768, 1536, 1919, 2048, 8192] {
+                if size == 2 && !v_first && heads >= 1920 {
+                    continue;
+                }
                 let p = eager_plan(&with_bulk(size, heads, v_first)).expect("plan");
                 assert_ne!(p.tile, Some(TileMove::Stream), "{size}-byte, {heads} heads");
             }
+        }
+        assert_ne!(
+            eager_plan(&shape(2, 8192, false)).expect("plan").tile,
+            Some(TileMove::Stream)
+        );
+        for (kernel, warps) in [
+            (Some(EagerKernel::BulkTile), None),
+            (Some(EagerKernel::Pipelined), None),
+            (None, Some(4)),
+        ] {
+            let mut e = with_bulk(2, 8192, false);
+            e.kernel = kernel;
+            e.fixed_warps = warps;
+            let p = eager_plan(&e).expect("plan");
+            assert_ne!(
+                p.tile,
+                Some(TileMove::Stream),
+                "{kernel:?}, {warps:?} warps"
+            );
         }
         // forced: whole heads for K-first pools (its bulk copies one block per lane group),
         // as the default bulk tiles, and, as theirs, an fp32 pool's slot read again after a
@@ -1647,6 +1698,11 @@ mod tests {
                 assert_eq!(p.tile.unwrap_or(TileMove::Direct), mv, "{kernel:?}");
                 if kernel.is_some() {
                     assert_eq!(p.tile, Some(mv), "{kernel:?}");
+                    // K-first bulk copies asked for: whole heads, as the plan's own; else the
+                    // plan's 4 warps
+                    let whole = !v_first
+                        && matches!(mv, TileMove::Bulk | TileMove::BulkIn | TileMove::Stream);
+                    assert_eq!(p.warps, if whole { 8 } else { 4 }, "{kernel:?} {size}-byte");
                     // a staged or bulk tile: K x the CTA's columns in dynamic shared memory,
                     // and a K-first bulk tile LK (8) x WC (16) elements of row shifts
                     let smem = match mv {
