@@ -274,9 +274,9 @@ const BULK_IN_2_BYTE_K_FIRST_FROM: usize = 384;
 /// Value heads of a call from which a 2-byte K-first pool keeps its whole-head bulk tiles in
 /// shared memory through the token step (`kda_eager_tile_stream`: 40 registers, 6 CTAs per SM,
 /// against `kda_eager_tile_bulk`'s 115 and 2). H200 sweep (docs/performance.md, twenty-second
-/// session): 0.5-5% faster from 1920 heads (the more heads, the more), 0.7-18% slower at
-/// 384-1536, where its fewer, longer waves of CTAs leave a tail. fp32 and V-first pools were
-/// 2-20% slower with it at every size.
+/// session): 0.5-5% faster from 1920 heads (the more heads, the more), mostly slower at
+/// 384-1536 (up to 18%) and 1.7x slower at N = 1. fp32 and V-first pools were 2-22% slower
+/// with it at every size from N = 16.
 const STREAM_2_BYTE_K_FIRST_FROM: usize = 1920;
 
 /// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
