@@ -26,6 +26,6 @@ strip "$out/kda-pool" "$out/cuda_backend"
 # plotters' `ttf` feature): carry them too, and run with LD_LIBRARY_PATH=.devbin/NAME/lib.
 mkdir -p "$out/lib"
 ldd "$out/kda-pool" | awk '$3 ~ /^\// {print $3}' |
-    grep -Ev '/(libc|libm|libgcc_s|libpthread|libdl|librt|ld-linux[^/]*)\.so' |
+    { grep -Ev '/(libc|libm|libgcc_s|libpthread|libdl|librt|ld-linux[^/]*)\.so' || true; } |
     xargs -r cp -L -t "$out/lib"
 ls -l "$out"
