@@ -1647,6 +1647,14 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     reduce_k(o);
 }
 
+// The head's offset in the slot's ssm plane, as the stochastic stream counts it, of a tile
+// stored from the item's first column (IN_TILE: into its bulk tile, columns relative to cb) or
+// from the head's.
+template <bool IN_TILE>
+__device__ __forceinline__ kda_u32 tile_elem0(size_t hv, int cb) {
+    return (kda_u32)hv * (kda_u32)(K * V) + (IN_TILE ? (kda_u32)(VFIRST ? cb * K : cb) : 0u);
+}
+
 // Eager decode, one item per CTA (item = blockIdx.x, the grid covers the items): the state
 // tile goes from global memory into registers with no pipeline; many CTAs per SM keep the loads
 // in flight instead. MOVE (MOVE_*) says how the tile moves: straight into registers (DIRECT);
@@ -1665,14 +1673,6 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
 // the CTA's chain but measured faster for some K-first shapes (`slot_once_for` in backend.rs).
 // fp32 K-first bulk tiles always read it again (SLOT_AGAIN), compiled so: as a runtime choice
 // the branch alone cost them 0.2-0.9% on the H200.
-// The head's offset in the slot's ssm plane, as the stochastic stream counts it, of a tile
-// stored from the item's first column (IN_TILE: into its bulk tile, columns relative to cb) or
-// from the head's.
-template <bool IN_TILE>
-__device__ __forceinline__ kda_u32 tile_elem0(size_t hv, int cb) {
-    return (kda_u32)hv * (kda_u32)(K * V) + (IN_TILE ? (kda_u32)(VFIRST ? cb * K : cb) : 0u);
-}
-
 template <int MOVE>
 __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     constexpr bool STAGED = MOVE == MOVE_STAGED, STREAM = MOVE == MOVE_STREAM;

@@ -672,8 +672,8 @@ impl CudaBackend {
     /// fp32 and 2-byte V-first pools and for small 2-byte K-first calls (the smallest with
     /// `kda_eager_tile_staged`), the pipelined kernel for mid-size 2-byte K-first calls, and on
     /// a device with bulk copies `kda_eager_tile_bulk` for big K-first and fp32 V-first calls
-    /// and `kda_eager_tile_bulk_in` for mid-size V-first and 2-byte K-first ones (`eager_plan`);
-    /// `kda_eager_tile_stream` only when forced.
+    /// and `kda_eager_tile_bulk_in` for mid-size V-first and 2-byte K-first ones, and
+    /// `kda_eager_tile_stream` for the biggest 2-byte K-first calls (`eager_plan`).
     pub fn set_eager_kernel(&self, kernel: Option<EagerKernel>) -> Result<()> {
         *self.eager_kernel.lock() = kernel;
         Ok(())
@@ -1015,15 +1015,6 @@ impl CudaBackend {
                 // (no driver call for kda_eager_tile, which has no dynamic shared memory)
                 if smem > 0 {
                     Self::opt_in_smem(&f, name, smem)?;
-                }
-                // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit:
-                // all of the SM's shared memory, not the L1 the driver might keep
-                if mv == TileMove::Stream {
-                    f.set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                        100,
-                    )
-                    .map_err(|e| device_err(&format!("{name} shared memory carveout"), e))?;
                 }
                 (f, name, smem, None)
             }

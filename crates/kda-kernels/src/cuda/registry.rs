@@ -272,6 +272,17 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
             .zip(compile(ctx, &src, &name, &entries)?)
             .collect(),
     );
+    for (key, f) in fs.iter() {
+        // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit: all
+        // of the SM's shared memory, not the L1 the driver might keep (set once, at load)
+        if let Key::EagerTileStream(_) = key {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+            .map_err(|e| unavailable(format!("{} shared memory carveout: {e}", key.entry())))?;
+        }
+    }
     *loaded = Some(fs.clone());
     Ok(fs)
 }
