@@ -23,6 +23,7 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) { return __float2
 #define KDA_BF16_BITS(h) __bfloat16_as_ushort(h)
 // Warp-level code here works on groups of 32 lanes; `width` keeps wave64 shuffles inside one.
 #define KDA_SHFL_XOR(x, m) __shfl_xor((x), (m), 32)
+#define KDA_SHFL(x, src) __shfl((x), (src), 32)
 #define KDA_SYNCWARP() __builtin_amdgcn_wave_barrier()
 #define KDA_PREFETCH_L2(ptr) ((void)(ptr))
 // A store that L2 may evict first (the state written back by the ring: not read again soon).
@@ -68,6 +69,7 @@ __device__ __forceinline__ kda_bf16 kda_float_to_bf16(float f) {
 #define KDA_HALF_BITS(h) ((h).bits)
 #define KDA_BF16_BITS(h) ((h).bits)
 #define KDA_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define KDA_SHFL(x, src) __shfl_sync(0xffffffffu, (x), (src))
 #define KDA_SYNCWARP() __syncwarp()
 // A hint: fetch the 128-byte line holding ptr into L2 (no register, no wait).
 #define KDA_PREFETCH_L2(ptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr))

@@ -634,6 +634,107 @@ __device__ __forceinline__ void prefetch_ring_rows(const KdaParams& p, kda_u32 s
     }
 }
 
+
+// The one-item-per-CTA ring kernels' (kda_ring_tile, kda_ring_mma) shared steps. LT: the
+// kernel's shared-memory layout (its token rows: tokb, qrow, bias, sbeta as RingTileLayout's).
+
+// Copies the new tokens' rows (they do not depend on the plan): q, k, g, v of token j at rows
+// 4 j .. 4 j + 3 of the copy list, one warp per row; then dt_bias. Not committed.
+template <typename LT>
+__device__ __forceinline__ void tile_new_rows(unsigned char* dsm, const LT& L, const KdaParams& p, kda_u32 bos,
+                                              kda_u32 nnew, int h, int hv, int cb, int cwv, int gran) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < 4 * (int)nnew; r += RT / 32) {
+        const int j = r >> 2, part = r & 3;
+        const size_t tok = bos + (size_t)j;
+        const IT* src;
+        unsigned char* dst;
+        int bytes = K * (int)sizeof(IT);
+        if (part == 0) {
+            src = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
+            dst = dsm + L.qrow + j * RK;
+        } else if (part == 1) {
+            src = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
+            dst = dsm + j * L.tokb;
+        } else if (part == 2) {
+            src = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K;
+            dst = dsm + j * L.tokb + RK;
+        } else {
+            src = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V + cb;
+            dst = dsm + j * L.tokb + 2 * RK;
+            bytes = cwv * (int)sizeof(IT);
+        }
+        copy_row(dst, src, bytes, gran, lane);
+    }
+    if (p.gate_mode != 0u && (int)threadIdx.x < K / 4) {
+        const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
+        cp_async16(dsm + L.bias + 16 * threadIdx.x, bias + 4 * threadIdx.x);
+    }
+}
+
+// Copies the pending entries' rows (k, g, v at rows mq + t) as one committed group, and
+// activates the betas (thread t: combined token t) into sbeta.
+template <typename LT>
+__device__ __forceinline__ void tile_pending_rows(unsigned char* dsm, const LT& L, const KdaParams& p, const IT* ring,
+                                                  size_t entry, int pend, int ntok, int mq, kda_u32 bos, int h,
+                                                  int hv, int cb, int cwv, int gran) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < 3 * pend; r += RT / 32) {
+        const int t = r / 3, part = r - 3 * t;
+        const IT* e = ring + (size_t)t * entry;
+        unsigned char* dst = dsm + (mq + t) * L.tokb + part * RK;
+        const IT* src = part == 0 ? e + (size_t)h * K : part == 1 ? e + ring_off_g(p, hv) : e + ring_off_v(p, hv) + cb;
+        copy_row(dst, src, part == 2 ? cwv * (int)sizeof(IT) : K * (int)sizeof(IT), gran, lane);
+    }
+    cp_async_commit();
+    float* sbeta = reinterpret_cast<float*>(dsm + L.sbeta);
+    if ((int)threadIdx.x < ntok) {
+        const int t = (int)threadIdx.x;
+        const IT* b = t < pend ? ring + (size_t)t * entry + ring_off_beta(p, hv)
+                               : reinterpret_cast<const IT*>(p.beta) + (bos + (size_t)(t - pend)) * p.hv + hv;
+        sbeta[t] = act_beta(kda_load(*b), p);
+    }
+}
+
+// Without a commit: this CTA's part of the new entries from their raw rows (rows past the
+// pending entries: no CTA of this call reads them): v of its columns; g and beta from the
+// head's first block; k from the group's first value head. (kda_ring's append, written again: a
+// shared helper would change kda_ring's code, whose speed depends on its size, and its betas
+// come from shared memory.)
+template <typename LT>
+__device__ __forceinline__ void tile_append(const unsigned char* dsm, const LT& L, const KdaParams& p, kda_u32 slot,
+                                            kda_u32 append_at, kda_u32 bos, kda_u32 nnew, int h, int hv, int group,
+                                            int cb, int cwv, int gran, size_t entry) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < 3 * (int)nnew; r += RT / 32) {
+        const int j = r / 3, part = r - 3 * j; // 0: k and beta, 1: g, 2: v
+        if (part < 2 && cb != 0) continue;
+        IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + append_at + (kda_u32)j) * entry;
+        if (part == 0 && lane == 0)
+            e[ring_off_beta(p, hv)] = reinterpret_cast<const IT*>(p.beta)[(bos + (size_t)j) * p.hv + hv];
+        if (part == 0 && hv != h * group) continue;
+        store_row(e + (part == 0 ? (size_t)h * K : part == 1 ? ring_off_g(p, hv) : ring_off_v(p, hv) + cb),
+                  dsm + j * L.tokb + part * RK, (part == 2 ? cwv : K) * (int)sizeof(IT), gran, lane);
+    }
+}
+
+// The end of an item (every thread): the last CTA of the slot to arrive (`old`, the counter
+// before this CTA's arrival) writes the new record, and a commit's new entries.
+__device__ __forceinline__ void tile_settle(const KdaParams& p, const Plan& pl, kda_u32 old, kda_u32 per_seq,
+                                            bool store, kda_u32* meta, kda_u32 slot, kda_u32 bos, kda_u32 nnew,
+                                            kda_u32& s_last) {
+    if (threadIdx.x == 0) {
+        const bool last = old == per_seq - 1;
+        if (last) {
+            meta[0] = pl.new_len;
+            meta[1] = pl.new_pending;
+            meta[2] = 0u;
+        }
+        s_last = last && store && pl.append_at != KDA_NONE && nnew > 0;
+    }
+    __syncthreads();
+    if (s_last) ring_commit_copy(p, slot, bos, nnew);
+}
 } // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const KdaParams p) {
@@ -686,35 +787,8 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     } else {
         load_tile(head, lk, col0l < cwv ? col0 : V, s);
     }
-    // the new tokens' rows (they do not depend on the plan): q, k, g, v of token j at rows
-    // 4 j .. 4 j + 3 of the copy list, one warp per row; dt_bias
     const int gran = (int)p.ring_gran;
-    for (int r = warp; r < 4 * (int)nnew; r += RT / 32) {
-        const int j = r >> 2, part = r & 3;
-        const size_t tok = bos + (size_t)j;
-        const IT* src;
-        unsigned char* dst;
-        int bytes = K * (int)sizeof(IT);
-        if (part == 0) {
-            src = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
-            dst = dsm + L.qrow + j * RK;
-        } else if (part == 1) {
-            src = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
-            dst = dsm + j * L.tokb;
-        } else if (part == 2) {
-            src = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K;
-            dst = dsm + j * L.tokb + RK;
-        } else {
-            src = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V + cb;
-            dst = dsm + j * L.tokb + 2 * RK;
-            bytes = cwv * (int)sizeof(IT);
-        }
-        copy_row(dst, src, bytes, gran, lane);
-    }
-    if (p.gate_mode != 0u && (int)threadIdx.x < K / 4) {
-        const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
-        cp_async16(dsm + L.bias + 16 * threadIdx.x, bias + 4 * threadIdx.x);
-    }
+    tile_new_rows(dsm, L, p, bos, nnew, h, hv, cb, cwv, gran);
     cp_async_commit();
     __syncthreads();
     const Plan pl = s_plan;
@@ -723,25 +797,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     const bool work = nnew > 0 || store;
     const size_t entry = ring_entry_elems(p);
     const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
-    if (work) {
-        // the pending entries' rows: k, g, v at rows mq + t
-        for (int r = warp; r < 3 * pend; r += RT / 32) {
-            const int t = r / 3, part = r - 3 * t;
-            const IT* e = ring + (size_t)t * entry;
-            unsigned char* dst = dsm + (mq + t) * L.tokb + part * RK;
-            const IT* src = part == 0 ? e + (size_t)h * K : part == 1 ? e + ring_off_g(p, hv) : e + ring_off_v(p, hv) + cb;
-            copy_row(dst, src, part == 2 ? cwv * (int)sizeof(IT) : K * (int)sizeof(IT), gran, lane);
-        }
-        cp_async_commit();
-        // betas, activated (thread t: combined token t)
-        float* sbeta = reinterpret_cast<float*>(dsm + L.sbeta);
-        if ((int)threadIdx.x < ntok) {
-            const int t = (int)threadIdx.x;
-            const IT* b = t < pend ? ring + (size_t)t * entry + ring_off_beta(p, hv)
-                                   : reinterpret_cast<const IT*>(p.beta) + (bos + (size_t)(t - pend)) * p.hv + hv;
-            sbeta[t] = act_beta(kda_load(*b), p);
-        }
-    }
+    if (work) tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran);
     cp_async_wait<0>();
     __syncthreads();
     // every ring read of this CTA is done: arrive (the result is looked at at the end)
@@ -798,34 +854,8 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
                 store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
             }
         }
-        // no commit: this CTA's part of the new entries (rows past the pending entries: no CTA
-        // of this call reads them): v of its columns; g and beta from the head's first block; k
-        // from the group's first value head. (kda_ring's append, written again: a shared helper
-        // would change kda_ring's code, whose speed depends on its size, and its betas come from
-        // shared memory.)
-        if (!store && pl.append_at != KDA_NONE && nnew > 0) {
-            for (int r = warp; r < 3 * (int)nnew; r += RT / 32) {
-                const int j = r / 3, part = r - 3 * j; // 0: k and beta, 1: g, 2: v
-                if (part < 2 && cb != 0) continue;
-                IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + pl.append_at + (kda_u32)j) * entry;
-                if (part == 0 && lane == 0)
-                    e[ring_off_beta(p, hv)] = reinterpret_cast<const IT*>(p.beta)[(bos + (size_t)j) * p.hv + hv];
-                if (part == 0 && hv != h * group) continue;
-                store_row(e + (part == 0 ? (size_t)h * K : part == 1 ? ring_off_g(p, hv) : ring_off_v(p, hv) + cb),
-                          dsm + j * L.tokb + part * RK, (part == 2 ? cwv : K) * (int)sizeof(IT), gran, lane);
-            }
-        }
+        if (!store && pl.append_at != KDA_NONE && nnew > 0)
+            tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry);
     }
-    // the last CTA of the slot to arrive: the new record, and a commit's new entries
-    if (threadIdx.x == 0) {
-        const bool last = old == per_seq - 1;
-        if (last) {
-            meta[0] = pl.new_len;
-            meta[1] = pl.new_pending;
-            meta[2] = 0u;
-        }
-        s_last = last && store && pl.append_at != KDA_NONE && nnew > 0;
-    }
-    __syncthreads();
-    if (s_last) ring_commit_copy(p, slot, bos, nnew);
+    tile_settle(p, pl, old, per_seq, store, meta, slot, bos, nnew, s_last);
 }

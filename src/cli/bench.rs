@@ -31,9 +31,10 @@ use super::CliError;
 
 /// The ring kernels each ring case is also timed with, forced, and their rows' suffixes
 /// (`decode-piped`, `spec-tile`, `replay-step`, ...).
-const RING_ROWS: [(&str, RingKernel); 3] = [
+const RING_ROWS: [(&str, RingKernel); 4] = [
     ("piped", RingKernel::Pipelined),
     ("tile", RingKernel::Tile),
+    ("mma", RingKernel::Mma),
     ("step", RingKernel::Step),
 ];
 
@@ -130,7 +131,7 @@ pub struct Args {
     pub dependent_launch: String,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
-    /// blocked; with a ring: piped, tile, step).
+    /// blocked; with a ring: piped, tile, mma, step).
     #[arg(long, default_value = "all")]
     pub forced: String,
 }

@@ -26,8 +26,12 @@ variants=("float float 0" "kda_half kda_bf16 0" "kda_bf16 kda_bf16 0" "float flo
 build() {
     local rev=$1 out=$2 src="$2/src"
     mkdir -p "$src"
-    for f in kda_compat.cuh kda_common.cuh kda_decode.cu kda_ring.cu; do
-        if [ -z "$rev" ]; then cp "kernels/$f" "$src/$f"; else git show "$rev:kernels/$f" >"$src/$f"; fi
+    for f in kda_compat.cuh kda_common.cuh kda_decode.cu kda_ring.cu kda_ring_mma.cu; do
+        if [ -z "$rev" ]; then
+            cp "kernels/$f" "$src/$f" 2>/dev/null || : >"$src/$f"
+        else
+            git show "$rev:kernels/$f" >"$src/$f" 2>/dev/null || : >"$src/$f"
+        fi
     done
     for v in "${variants[@]}"; do
         read -r st it vf <<<"$v"
@@ -41,6 +45,7 @@ build() {
                 "$st" "$bytes" "$it" "$vf"
             grep -v '#include "kda_' "$src/kda_decode.cu"
             grep -v '#include "kda_' "$src/kda_ring.cu"
+            grep -v '#include "kda_' "$src/kda_ring_mma.cu"
         } >"$tu"
         "$cu/bin/nvcc" -cubin -arch=sm_90 -std=c++17 -I"$cu/include" -Xptxas -v -diag-suppress 128 \
             -o "${tu%.cu}.cubin" "$tu" >"${tu%.cu}.log" 2>&1 || { cat "${tu%.cu}.log"; exit 1; }

@@ -31,7 +31,7 @@ pub enum EagerKernel {
 }
 
 /// The kernels of calls with a ring (decode, spec_verify and replay over the replay ring). All
-/// give the same bits.
+/// but `Mma` give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RingKernel {
     /// Persistent CTAs of 8 warps that copy the next item's token rows and state tile into
@@ -40,6 +40,12 @@ pub enum RingKernel {
     /// One item (sequence, value head, 8 warps' columns) per CTA, its state tile straight into
     /// registers (`kda_ring_tile`), where the call fits it.
     Tile,
+    /// `kda_ring_mma`: `Tile`'s items with the item's tokens applied to the state tile as one
+    /// chunk on the tensor cores (3xTF32 `mma.sync`, f32 accuracy), the tile read once into
+    /// shared memory and written once at a commit. K = 128 and whole 128-column items only; not
+    /// the bits of the others (fp32 states within about 1e-6, 2-byte ones within one rounding
+    /// step of them).
+    Mma,
     /// The general kernel of every operation, one q/k head with its value heads per CTA
     /// (`kda_step`).
     Step,

@@ -754,6 +754,36 @@ fn gva_case(state: Dtype, ring_len: usize) -> Case {
     )
 }
 
+/// `kda_ring_mma` computes the chunk in another order (tensor cores, 3xTF32), so it is checked
+/// against the CPU backend with the tolerances of the issue rather than for kda_step's bits: ring
+/// decode steps, spec_verify calls of 0..=ring_len drafts with random accepted counts and
+/// flushes (every sequence, one or two 16-row mma tiles of tokens), every pool dtype, both
+/// layouts, GVA, bf16 and fp32 inputs. fp32 states within 1e-5 relative after every call
+/// (`compare_with_cpu`); the gates are fla's (decays down to e^-48 per token, so the chunk's
+/// decay products underflow as the recurrence's do).
+#[test]
+fn cuda_tensor_core_ring_kernel_matches_the_cpu_backend() {
+    let Some(cu) = cuda() else { return };
+    cu.set_ring_kernel(Some(RingKernel::Mma))
+        .expect("ring kernel");
+    for state in Dtype::ALL {
+        for layout in [StateLayout::KFirst, StateLayout::VFirst] {
+            for (h, hv, ring_len, input, seed) in [
+                (3, 3, 4, Dtype::Bf16, 61),
+                (2, 4, 8, Dtype::Fp32, 62),
+                (1, 2, 6, Dtype::Bf16, 63),
+            ] {
+                let c = case(h, hv, 128, 128, state, input, layout, ring_len);
+                let (d, _) = compare_with_cpu(&cu, &c, 12, seed);
+                eprintln!(
+                    "{state} {layout:?} H={h} HV={hv} {input} inputs ring {ring_len}: outputs within {d:.2e} of the CPU's"
+                );
+            }
+        }
+    }
+    cu.set_ring_kernel(None).expect("ring kernel");
+}
+
 #[test]
 fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation() {
     // every operation, each call reading what the one before it wrote (host copies run between
@@ -883,6 +913,7 @@ fn cuda_back_to_back_spec_verifies_of_the_same_slots_give_the_bits_of_one_call_a
         (Dtype::Fp32, 2, None),
         (Dtype::Fp16, 3, Some(RingKernel::Pipelined)),
         (Dtype::Bf16, 4, Some(RingKernel::Tile)),
+        (Dtype::Fp16, 4, Some(RingKernel::Mma)),
     ] {
         cu.set_ring_kernel(kernel).expect("ring kernel");
         let c = gva_case(state, 2 * (drafts + 1));

@@ -442,11 +442,11 @@ struct RingShape {
     smem_optin: usize,
 }
 
-/// A launch of `kda_ring` or `kda_ring_tile`.
+/// A launch of `kda_ring`, `kda_ring_tile` or `kda_ring_mma`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RingPlan {
-    /// `kda_ring_tile` (one item per CTA) rather than `kda_ring`.
-    tile: bool,
+    /// Which of them (never [`RingKernel::Step`]).
+    kernel: RingKernel,
     /// Token rows per stage (ring length + most new tokens).
     mt: usize,
     /// Most new tokens of one sequence.
@@ -463,24 +463,34 @@ struct RingPlan {
 const RING_THREADS: usize = 256;
 /// Most tokens (pending entries and new tokens) of one `kda_ring` item (`MTC`).
 const RING_MAX_TOKENS: usize = 16;
+/// `kda_ring_mma`'s K and item columns (`MW` in `kernels/kda_ring_mma.cu`).
+const MMA_ITEM: usize = 128;
 
 /// Columns of one item of either ring kernel (`RCW`: eight warps' columns).
 fn ring_item_columns(k: usize) -> usize {
     (RING_THREADS / 32) * warp_columns(k)
 }
 
-/// The launch of `kda_ring` (`tile` false) or `kda_ring_tile`, or `None` where the call does not
-/// fit them (stochastic rounding, tiles that are not whole 16-byte copies, token rows that are
-/// not whole 4-byte copies, too many tokens per item, too much shared memory): then `kda_step`
-/// runs. Mirrors `RingLayout`, `RingTileLayout` and the constants of `kernels/kda_ring.cu` (an
-/// item of either kernel is eight warps of `kda_step`'s lane mapping).
-fn ring_plan(s: &RingShape, tile: bool) -> Option<RingPlan> {
+/// The launch of `kernel` (`kda_ring`, `kda_ring_tile` or `kda_ring_mma`), or `None` where the
+/// call does not fit it (stochastic rounding, tiles that are not whole 16-byte copies, token rows
+/// that are not whole 4-byte copies, too many tokens per item, too much shared memory; for
+/// `kda_ring_mma` also K other than 128 or value heads that are not whole 128-column items):
+/// then `kda_step` runs. Mirrors `RingLayout`, `RingTileLayout`, `MmaLayout` and the constants of
+/// `kernels/kda_ring.cu` and `kernels/kda_ring_mma.cu` (an item of each kernel is eight warps of
+/// `kda_step`'s lane mapping).
+fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = ring_item_columns(s.k);
     let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
     // every pool dtype and operation: measured faster than kda_step for fp32 decode, spec_verify
     // (2-14%) and replay (19-22%) too (docs/performance.md, eleventh session)
-    if s.ring_len == 0 || s.stochastic || !tile_fits(s.k, s.v, s.state_size) || mt > RING_MAX_TOKENS
+    if kernel == RingKernel::Step
+        || s.ring_len == 0
+        || s.stochastic
+        || !tile_fits(s.k, s.v, s.state_size)
+        || mt > RING_MAX_TOKENS
+        || (kernel == RingKernel::Mma
+            && (s.k != MMA_ITEM || cw != MMA_ITEM || !s.v.is_multiple_of(MMA_ITEM)))
     {
         return None;
     }
@@ -496,16 +506,24 @@ fn ring_plan(s: &RingShape, tile: bool) -> Option<RingPlan> {
     }
     let ks = s.k.next_multiple_of(4);
     let tokb = 2 * r16(s.k * isz) + r16(cw * isz);
-    // token rows, raw queries, dt_bias: kda_ring has two stages of them, kda_ring_tile one
+    // token rows, raw queries, dt_bias: kda_ring has two stages of them, the others one
     let rows = mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
-    let smem = if tile {
-        rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt)
-    } else {
-        let floats = (2 * mt + mq) * ks + mt * cw + 3 * RING_MAX_TOKENS;
-        r16(s.k * cw * s.state_size) + 2 * rows + 4 * floats + 16
+    let smem = match kernel {
+        RingKernel::Tile => rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt),
+        RingKernel::Mma => {
+            // keys and queries in whole 16-row mma tiles, decays (rows of K + 4 floats); the
+            // pair matrices, betas, P; the tile (rows of 128 elements + 16 bytes)
+            let (mr, ap, pp) = ((mt + mq).next_multiple_of(16), s.k + 4, RING_MAX_TOKENS + 1);
+            let floats = (mr + mt) * ap + 2 * RING_MAX_TOKENS * pp + RING_MAX_TOKENS;
+            rows + 4 * floats + r16(4 * s.k) + MMA_ITEM * (MMA_ITEM * s.state_size + 16)
+        }
+        _ => {
+            let floats = (2 * mt + mq) * ks + mt * cw + 3 * RING_MAX_TOKENS;
+            r16(s.k * cw * s.state_size) + 2 * rows + 4 * floats + 16
+        }
     };
     (smem <= s.smem_optin).then_some(RingPlan {
-        tile,
+        kernel,
         mt,
         mq,
         gran,
@@ -554,21 +572,22 @@ fn ring_tile_from(state_size: usize, max_new: usize) -> Option<usize> {
 /// decode and replay measured 2-24% slower with the tile kernel at N >= 64: docs/performance.md,
 /// eighteenth and nineteenth sessions).
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
-    let tile = match forced {
-        Some(RingKernel::Step) => return None,
-        Some(k) => k == RingKernel::Tile,
-        None => {
-            let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
-            match op {
-                Op::Decode => items <= RING_TILE_DECODE_UPTO,
-                Op::Replay => items <= RING_TILE_REPLAY_UPTO,
-                Op::SpecVerify => ring_tile_from(s.state_size, s.max_new)
-                    .is_some_and(|from| items <= RING_TILE_SPEC_UPTO || items >= from),
-                Op::Prefill => false,
-            }
+    let kernel = forced.unwrap_or_else(|| {
+        let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
+        let tile = match op {
+            Op::Decode => items <= RING_TILE_DECODE_UPTO,
+            Op::Replay => items <= RING_TILE_REPLAY_UPTO,
+            Op::SpecVerify => ring_tile_from(s.state_size, s.max_new)
+                .is_some_and(|from| items <= RING_TILE_SPEC_UPTO || items >= from),
+            Op::Prefill => false,
+        };
+        if tile {
+            RingKernel::Tile
+        } else {
+            RingKernel::Pipelined
         }
-    };
-    ring_plan(s, tile)
+    });
+    ring_plan(s, kernel)
 }
 
 impl CudaBackend {
@@ -1023,10 +1042,10 @@ impl CudaBackend {
                 let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
                 (f, name, pl.smem, Some(grid))
             }
-            (None, Some(rp)) if rp.tile => {
-                let f = ring_tile_kernel(&self.ctx, key)?;
-                Self::opt_in_smem(&f, "kda_ring_tile", rp.smem)?;
-                (f, "kda_ring_tile", rp.smem, None)
+            (None, Some(rp)) if rp.kernel != RingKernel::Pipelined => {
+                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
+                Self::opt_in_smem(&f, name, rp.smem)?;
+                (f, name, rp.smem, None)
             }
             (None, Some(rp)) => {
                 let f = ring_kernel(&self.ctx, key)?;
@@ -1759,27 +1778,38 @@ mod tests {
     fn ring_plan_fits_the_benchmarked_ring_and_spec_shapes() {
         // decode with ring 8: whole heads of 128 columns (eight warps), 8-byte copies of token
         // rows (a ring entry of 12 heads in bf16 is 9240 bytes)
-        let p = ring_plan(&ring_shape(4, 8, 1), false).expect("fp32 ring 8");
+        let p = ring_plan(&ring_shape(4, 8, 1), RingKernel::Pipelined).expect("fp32 ring 8");
         assert_eq!((p.mt, p.mq, p.gran, p.vblocks), (9, 1, 8, 1));
-        let p = ring_plan(&ring_shape(2, 8, 1), false).expect("fp16 ring 8");
+        let p = ring_plan(&ring_shape(2, 8, 1), RingKernel::Pipelined).expect("fp16 ring 8");
         assert_eq!((p.mt, p.vblocks), (9, 1));
         // two CTAs (16 warps) per SM, fp32 included: one tile buffer (228 KiB per SM, 1 KiB
         // reserved per CTA)
         let two_per_sm = |p: RingPlan| 2 * (p.smem + 1024) <= 228 * 1024;
         assert!(two_per_sm(p), "{} bytes", p.smem);
-        let p = ring_plan(&ring_shape(4, 8, 1), false).unwrap();
+        let p = ring_plan(&ring_shape(4, 8, 1), RingKernel::Pipelined).unwrap();
         assert!(two_per_sm(p), "{} bytes", p.smem);
         // spec T = 4 with ring 10 (either layout: the plan does not depend on it)
-        let p = ring_plan(&ring_shape(2, 10, 4), false).expect("spec T = 4");
+        let p = ring_plan(&ring_shape(2, 10, 4), RingKernel::Pipelined).expect("spec T = 4");
         assert_eq!((p.mt, p.mq), (14, 4));
-        let p = ring_plan(&ring_shape(4, 10, 4), false).unwrap();
+        let p = ring_plan(&ring_shape(4, 10, 4), RingKernel::Pipelined).unwrap();
         assert!(two_per_sm(p), "{} bytes", p.smem);
         // kda_ring_tile's CTAs, without a tile buffer or a second stage, take less
         for state_size in [4, 2] {
-            let p = ring_plan(&ring_shape(state_size, 10, 4), true).expect("kda_ring_tile");
-            assert!(p.tile && two_per_sm(p), "{} bytes", p.smem);
-            assert_eq!((p.mt, p.mq, p.gran, p.vblocks), (14, 4, 8, 1));
+            for kernel in [RingKernel::Tile, RingKernel::Mma] {
+                let p =
+                    ring_plan(&ring_shape(state_size, 10, 4), kernel).expect("one item per CTA");
+                assert!(
+                    p.kernel == kernel && two_per_sm(p),
+                    "{kernel:?}: {} bytes",
+                    p.smem
+                );
+                assert_eq!((p.mt, p.mq, p.gran, p.vblocks), (14, 4, 8, 1));
+            }
         }
+        // kda_ring_mma at T = 4 with a whole ring of 11 pending (15 tokens, two mma row tiles)
+        // still fits two fp32 CTAs per SM
+        let p = ring_plan(&ring_shape(4, 11, 5), RingKernel::Mma).expect("kda_ring_mma, 16 tokens");
+        assert!(two_per_sm(p), "{} bytes", p.smem);
     }
 
     #[test]
@@ -1787,7 +1817,7 @@ mod tests {
         let tile = |state_size, max_new, heads, op| {
             let mut s = ring_shape(state_size, 2 * (max_new + 1), max_new);
             s.heads = heads;
-            ring_choice(&s, op, None).map(|p| p.tile)
+            ring_choice(&s, op, None).map(|p| p.kernel == RingKernel::Tile)
         };
         // whole heads of 128 columns: one item per head. Up to 128 items with any number of
         // drafts; T = 4 from 512 items, T = 2 from 1024, fp32 T = 3 from 1024, 2-byte from 2048
@@ -1845,20 +1875,21 @@ mod tests {
         let mut half = ring_shape(4, 10, 4);
         (half.v, half.heads) = (64, 511);
         assert_eq!(
-            ring_choice(&half, Op::SpecVerify, None).map(|p| p.tile),
+            ring_choice(&half, Op::SpecVerify, None).map(|p| p.kernel == RingKernel::Tile),
             Some(false)
         );
         half.heads = 512;
         assert_eq!(
-            ring_choice(&half, Op::SpecVerify, None).map(|p| p.tile),
+            ring_choice(&half, Op::SpecVerify, None).map(|p| p.kernel == RingKernel::Tile),
             Some(true)
         );
         // a forced kernel wins; kda_step is no plan
         let s = ring_shape(2, 8, 1);
         for op in [Op::Decode, Op::SpecVerify, Op::Replay] {
-            let forced = |k| ring_choice(&s, op, Some(k)).map(|p| p.tile);
-            assert_eq!(forced(RingKernel::Tile), Some(true), "{op:?}");
-            assert_eq!(forced(RingKernel::Pipelined), Some(false), "{op:?}");
+            let forced = |k| ring_choice(&s, op, Some(k)).map(|p| p.kernel);
+            for k in [RingKernel::Tile, RingKernel::Pipelined, RingKernel::Mma] {
+                assert_eq!(forced(k), Some(k), "{op:?}");
+            }
             assert_eq!(forced(RingKernel::Step), None, "{op:?}");
         }
         // where neither fits, kda_step runs whatever was asked
@@ -1911,12 +1942,12 @@ mod tests {
 
     #[test]
     fn ring_plan_takes_every_pool_dtype_and_operation() {
-        for tile in [false, true] {
+        for kernel in [RingKernel::Pipelined, RingKernel::Tile, RingKernel::Mma] {
             for state_size in [4, 2] {
                 for (max_new, op) in [(4, "spec_verify"), (0, "replay"), (1, "decode")] {
                     assert!(
-                        ring_plan(&ring_shape(state_size, 8, max_new), tile).is_some(),
-                        "{state_size}-byte pool, {op}, tile kernel {tile}"
+                        ring_plan(&ring_shape(state_size, 8, max_new), kernel).is_some(),
+                        "{state_size}-byte pool, {op}, {kernel:?}"
                     );
                 }
             }
@@ -1925,7 +1956,7 @@ mod tests {
 
     #[test]
     fn ring_plan_refuses_what_the_ring_kernels_cannot_take() {
-        for tile in [false, true] {
+        for tile in [RingKernel::Pipelined, RingKernel::Tile, RingKernel::Mma] {
             assert_eq!(
                 ring_plan(&ring_shape(2, 0, 1), tile),
                 None,
@@ -1956,12 +1987,27 @@ mod tests {
         let mut s = ring_shape(4, 8, 1);
         s.smem_optin = 64 * 1024;
         assert_eq!(
-            ring_plan(&s, false),
+            ring_plan(&s, RingKernel::Pipelined),
             None,
             "more shared memory than the device has"
         );
         s.smem_optin = 16 * 1024;
-        assert_eq!(ring_plan(&s, true), None, "the tile kernel's rows too");
+        assert_eq!(
+            ring_plan(&s, RingKernel::Tile),
+            None,
+            "the tile kernel's rows too"
+        );
+        assert_eq!(ring_plan(&s, RingKernel::Step), None, "kda_step is no plan");
+        // kda_ring_mma: K = 128 and whole 128-column items only
+        for (k, v) in [(64, 128), (128, 64), (128, 192)] {
+            let mut s = ring_shape(2, 8, 1);
+            (s.k, s.v) = (k, v);
+            assert_eq!(ring_plan(&s, RingKernel::Mma), None, "K = {k}, V = {v}");
+            assert!(
+                ring_plan(&s, RingKernel::Tile).is_some(),
+                "K = {k}, V = {v}"
+            );
+        }
     }
 
     #[test]

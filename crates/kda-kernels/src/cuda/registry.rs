@@ -15,12 +15,14 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use state_pool::{Dtype, PoolGeometry, StateLayout};
 
+use crate::choice::RingKernel;
 use crate::error::{KernelError, Result};
 
 const COMPAT: &str = include_str!("../../../../kernels/kda_compat.cuh");
 const COMMON: &str = include_str!("../../../../kernels/kda_common.cuh");
 const DECODE: &str = include_str!("../../../../kernels/kda_decode.cu");
 const RING: &str = include_str!("../../../../kernels/kda_ring.cu");
+const RING_MMA: &str = include_str!("../../../../kernels/kda_ring_mma.cu");
 const FILL: &str = include_str!("../../../../kernels/kda_fill.cu");
 
 /// What a `kda_step` module is specialised on.
@@ -58,6 +60,7 @@ enum Key {
     EagerTileStream(StepKey),
     Ring(StepKey),
     RingTile(StepKey),
+    RingMma(StepKey),
     Fill,
     Copy,
 }
@@ -76,6 +79,7 @@ impl Key {
             Key::EagerTileStream(_) => "kda_eager_tile_stream",
             Key::Ring(_) => "kda_ring",
             Key::RingTile(_) => "kda_ring_tile",
+            Key::RingMma(_) => "kda_ring_mma",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -93,13 +97,14 @@ impl Key {
             | Key::EagerTileBulkIn(k)
             | Key::EagerTileStream(k)
             | Key::Ring(k)
-            | Key::RingTile(k) => ModuleKey::Step(k),
+            | Key::RingTile(k)
+            | Key::RingMma(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (ten kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (eleven kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -108,7 +113,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 10] {
+fn step_module(k: StepKey) -> [Key; 11] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -120,6 +125,7 @@ fn step_module(k: StepKey) -> [Key; 10] {
         Key::EagerTileStream(k),
         Key::Ring(k),
         Key::RingTile(k),
+        Key::RingMma(k),
     ]
 }
 
@@ -170,7 +176,7 @@ pub(crate) fn step_source(key: &StepKey) -> String {
         key.v,
         u8::from(key.layout == StateLayout::VFirst)
     );
-    source(&defines, &format!("{DECODE}\n{RING}"))
+    source(&defines, &format!("{DECODE}\n{RING}\n{RING_MMA}"))
 }
 
 fn unavailable(reason: String) -> KernelError {
@@ -362,10 +368,19 @@ pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
     get(ctx, Key::Ring(key))
 }
 
-/// The one-item-per-CTA ring kernel `kda_ring_tile` specialised on `key` (same module as
-/// `kda_step`), compiled on first use.
-pub(crate) fn ring_tile_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
-    get(ctx, Key::RingTile(key))
+/// A one-item-per-CTA ring kernel specialised on `key` (same module as `kda_step`), compiled on
+/// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], else `kda_ring_tile`.
+pub(crate) fn ring_tile_kernel(
+    ctx: &Arc<CudaContext>,
+    key: StepKey,
+    kernel: RingKernel,
+) -> Result<(CudaFunction, &'static str)> {
+    let k = if kernel == RingKernel::Mma {
+        Key::RingMma(key)
+    } else {
+        Key::RingTile(key)
+    };
+    Ok((get(ctx, k)?, k.entry()))
 }
 
 /// The `kda_fill` kernel.
@@ -437,7 +452,8 @@ mod tests {
                 "kda_eager_tile_bulk_in",
                 "kda_eager_tile_stream",
                 "kda_ring",
-                "kda_ring_tile"
+                "kda_ring_tile",
+                "kda_ring_mma"
             ]
         );
     }
