@@ -24,11 +24,14 @@
 // nearest once. The f32 arithmetic differs from kda_step's order, so the bits do too: the state
 // agrees to about 1e-6 relative (an fp32 pool) or to one rounding step (2-byte pools).
 //
-// Forced only (`RingKernel::Mma`): on the H200 it measured 4-6% slower than kda_ring_tile for
-// spec_verify of 4 drafts on 2-byte pools and 8-47% slower for everything else (docs/
-// performance.md, twenty-third session). An item's 2 to 16 tokens are too few for the chunk to pay: its phases (tile in,
-// pair products, decay products, mma, substitution, commit) each wait at a CTA barrier with two
-// CTAs per SM, where kda_ring_tile's token loop runs without one.
+// Where it runs (`ring_choice` in backend.rs; docs/performance.md, twenty-third session): by
+// default for spec_verify calls of four or more drafts on 2-byte pools from 384 items, where with
+// three CTAs per SM (80 registers: MMA_CTAS) it measured 8-15% faster than the kernels chosen
+// before. Elsewhere only when forced (`RingKernel::Mma`): 12-33% slower than kda_ring_tile for
+// fp32 pools (two CTAs per SM) and mixed for three drafts; ring decode and replay slower than
+// their kernels. An item's 2 to 16 tokens are few for the chunk: its phases (tile in, pair
+// products, decay products, mma, substitution, commit) each wait at a CTA barrier, where
+// kda_ring_tile's token loop runs without one.
 #include "kda_ring.cu"
 
 namespace kda {
@@ -39,17 +42,18 @@ constexpr int MW = 128;                         // rows and columns of an item's
 constexpr int AP = K + 4;                       // f32 pitch of the token rows (conflict-free fragments)
 constexpr int TP = MW + 16 / (int)sizeof(ST);   // pitch of the tile in elements (16 bytes of padding)
 constexpr int PP = MTC + 1;                     // pitch of the A and B matrices
+constexpr int MMA_CTAS = sizeof(ST) == 2 ? 3 : 2; // CTAs per SM the registers allow (launch bounds)
 
 // Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs): the raw token
 // rows as RingTileLayout's (mt rows of tokb bytes, the raw queries, dt_bias), then f32 arrays:
 // x [mr][AP] (keys, then the new tokens' queries; then their products with the tile; then the
 // u_t), dk [mt][AP] (decays; then at a commit R k), am, bm [MTC][PP], beta [MTC], pm [K] (P at
 // the commit), then the tile [MW][TP] of state elements (rows k for K-first, columns for
-// V-first). mr: mt + mq rounded up to whole 16-row mma tiles.
+// V-first). mr = mt + mq (the mma tiles' rows past them read as zeros).
 struct MmaLayout {
     int tokb, qrow, bias, x, dk, am, bm, sbeta, pm, tile;
     __device__ __forceinline__ MmaLayout(int mt, int mq) {
-        const int mr = roundup(mt + mq, 16);
+        const int mr = mt + mq;
         tokb = 2 * RK + round16(RCW * (int)sizeof(IT));
         qrow = mt * tokb;
         bias = qrow + mq * RK;
@@ -107,15 +111,16 @@ __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const kda_u32 (&ah)[4]
     mma_tf32(c, ah, bh0, bh1);
 }
 
-// An A fragment of the f32 rows at `rows` (pitch AP): rows r0 + g (+ 8), columns c0 + t (+ 4),
-// split.
-__device__ __forceinline__ void frag_a(const float* rows, int r0, int c0, int g, int t, kda_u32 (&ah)[4],
+// An A fragment of the f32 rows at `rows` (pitch AP; rows from `nrows` on are zeros): rows
+// r0 + g (+ 8), columns c0 + t (+ 4), split.
+__device__ __forceinline__ void frag_a(const float* rows, int nrows, int r0, int c0, int g, int t, kda_u32 (&ah)[4],
                                        kda_u32 (&al)[4]) {
     const float* x = rows + (r0 + g) * AP + c0 + t;
-    tf32_split(x[0], ah[0], al[0]);
-    tf32_split(x[8 * AP], ah[1], al[1]);
-    tf32_split(x[4], ah[2], al[2]);
-    tf32_split(x[8 * AP + 4], ah[3], al[3]);
+    const bool lo = r0 + g < nrows, hi = r0 + g + 8 < nrows;
+    tf32_split(lo ? x[0] : 0.0f, ah[0], al[0]);
+    tf32_split(hi ? x[8 * AP] : 0.0f, ah[1], al[1]);
+    tf32_split(lo ? x[4] : 0.0f, ah[2], al[2]);
+    tf32_split(hi ? x[8 * AP + 4] : 0.0f, ah[3], al[3]);
 }
 
 // Element (k, c) of the item's tile in shared memory, as f32.
@@ -187,7 +192,7 @@ __device__ __forceinline__ void mma_pairs(const float* x, const float* dk, float
 // per warp) into c. (MT a template argument: a run-time test per tile was compiled to predicated
 // instructions, issued for both tiles; ncu, twenty-third session.)
 template <int MT>
-__device__ __forceinline__ void mma_rows_tile(const float* x, const ST* tile, int warp, int g, int t,
+__device__ __forceinline__ void mma_rows_tile(const float* x, int nrows, const ST* tile, int warp, int g, int t,
                                               float (&c)[2][2][4]) {
     constexpr bool EXACT = sizeof(ST) == 2;
 #pragma unroll
@@ -215,7 +220,7 @@ __device__ __forceinline__ void mma_rows_tile(const float* x, const ST* tile, in
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
             kda_u32 ah[4], al[4];
-            frag_a(x, 16 * mi, k0, g, t, ah, al);
+            frag_a(x, nrows, 16 * mi, k0, g, t, ah, al);
 #pragma unroll
             for (int ni = 0; ni < 2; ++ni)
                 mma_3xtf32<EXACT>(c[mi][ni], ah, al, bh[ni][0], bh[ni][1], bl[ni][0], bl[ni][1]);
@@ -228,39 +233,45 @@ __device__ __forceinline__ void mma_rows_tile(const float* x, const ST* tile, in
 // into the tile in place (a warp reads and writes only its own rows k).
 __device__ __forceinline__ void mma_commit(const float* x, const float* dk, const float* pm, ST* tile, int pend,
                                            int warp, int g, int t) {
+    constexpr int NC = 4; // n8 tiles per pass (registers: three CTAs of a 2-byte pool per SM)
     const int r0 = 16 * warp + g, r1 = r0 + 8;
-    float c[MW / 8][4];
+    const float p0 = pm[r0], p1 = pm[r1];
+#pragma unroll 1
+    for (int n0 = 0; n0 < MW / 8; n0 += NC) {
+        float c[NC][4];
 #pragma unroll
-    for (int ni = 0; ni < MW / 8; ++ni) {
-        const int col = 8 * ni + 2 * t;
-        c[ni][0] = pm[r0] * tile_at(tile, r0, col);
-        c[ni][1] = pm[r0] * tile_at(tile, r0, col + 1);
-        c[ni][2] = pm[r1] * tile_at(tile, r1, col);
-        c[ni][3] = pm[r1] * tile_at(tile, r1, col + 1);
-    }
-    for (int j0 = 0; j0 < pend; j0 += 8) {
-        // A = (R k)^T: A[k][j] = dk[j][k]; entries j >= pend are zero
-        const int ja = j0 + t, jb = ja + 4;
-        kda_u32 ah[4], al[4];
-        tf32_split(ja < pend ? dk[ja * AP + r0] : 0.0f, ah[0], al[0]);
-        tf32_split(ja < pend ? dk[ja * AP + r1] : 0.0f, ah[1], al[1]);
-        tf32_split(jb < pend ? dk[jb * AP + r0] : 0.0f, ah[2], al[2]);
-        tf32_split(jb < pend ? dk[jb * AP + r1] : 0.0f, ah[3], al[3]);
-#pragma unroll
-        for (int ni = 0; ni < MW / 8; ++ni) {
-            kda_u32 bh0, bl0, bh1, bl1;
-            tf32_split(ja < pend ? x[ja * AP + 8 * ni + g] : 0.0f, bh0, bl0);
-            tf32_split(jb < pend ? x[jb * AP + 8 * ni + g] : 0.0f, bh1, bl1);
-            mma_3xtf32<false>(c[ni], ah, al, bh0, bh1, bl0, bl1);
+        for (int ni = 0; ni < NC; ++ni) {
+            const int col = 8 * (n0 + ni) + 2 * t;
+            c[ni][0] = p0 * tile_at(tile, r0, col);
+            c[ni][1] = p0 * tile_at(tile, r0, col + 1);
+            c[ni][2] = p1 * tile_at(tile, r1, col);
+            c[ni][3] = p1 * tile_at(tile, r1, col + 1);
         }
-    }
+        for (int j0 = 0; j0 < pend; j0 += 8) {
+            // A = (R k)^T: A[k][j] = dk[j][k]; entries j >= pend are zero
+            const int ja = j0 + t, jb = ja + 4;
+            kda_u32 ah[4], al[4];
+            tf32_split(ja < pend ? dk[ja * AP + r0] : 0.0f, ah[0], al[0]);
+            tf32_split(ja < pend ? dk[ja * AP + r1] : 0.0f, ah[1], al[1]);
+            tf32_split(jb < pend ? dk[jb * AP + r0] : 0.0f, ah[2], al[2]);
+            tf32_split(jb < pend ? dk[jb * AP + r1] : 0.0f, ah[3], al[3]);
 #pragma unroll
-    for (int ni = 0; ni < MW / 8; ++ni) {
-        const int col = 8 * ni + 2 * t;
+            for (int ni = 0; ni < NC; ++ni) {
+                const int col = 8 * (n0 + ni) + g;
+                kda_u32 bh0, bl0, bh1, bl1;
+                tf32_split(ja < pend ? x[ja * AP + col] : 0.0f, bh0, bl0);
+                tf32_split(jb < pend ? x[jb * AP + col] : 0.0f, bh1, bl1);
+                mma_3xtf32<false>(c[ni], ah, al, bh0, bh1, bl0, bl1);
+            }
+        }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int k = e < 2 ? r0 : r1, cc = col + (e & 1);
-            tile[VFIRST ? cc * TP + k : k * TP + cc] = KdaElem<ST>::from_f32(c[ni][e]);
+        for (int ni = 0; ni < NC; ++ni) {
+            const int col = 8 * (n0 + ni) + 2 * t;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int k = e < 2 ? r0 : r1, cc = col + (e & 1);
+                tile[VFIRST ? cc * TP + k : k * TP + cc] = KdaElem<ST>::from_f32(c[ni][e]);
+            }
         }
     }
 }
@@ -284,7 +295,7 @@ template <bool IN> __device__ __forceinline__ void tile_copy(ST* tile, ST* head,
 
 } // namespace kda
 
-extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_mma(const KdaParams p) {
+extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mma(const KdaParams p) {
     using namespace kda;
     if constexpr (MMA_FITS) {
         extern __shared__ __align__(16) unsigned char dsm[];
@@ -362,14 +373,12 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_mma(const KdaP
             const int rows = ntok + (int)nnew, mtiles = (rows + 15) >> 4;
             auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
             // activations: keys at rows t of x, the new tokens' queries after them, a warp per
-            // row; zero rows up to the mma tiles' end; decays over all threads
+            // row; decays over all threads
             for (int u = warp; u < rows; u += RT / 32) {
                 const bool key = u < ntok;
                 const unsigned char* src = key ? raw(u) : dsm + L.qrow + (u - ntok) * RK;
                 act_row(reinterpret_cast<const IT*>(src), x + u * AP, p.l2norm != 0u, !key, p.scale, lane);
             }
-            for (int i = (int)threadIdx.x; i < (16 * mtiles - rows) * K; i += RT)
-                x[(rows + i / K) * AP + i % K] = 0.0f;
             for (int i = (int)threadIdx.x; i < ntok * K; i += RT) {
                 const int t = i / K, kk = i - t * K;
                 dk[t * AP + kk] = decay_of(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp);
@@ -415,19 +424,18 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_mma(const KdaP
             {
                 float c[2][2][4];
                 if (mtiles == 1)
-                    mma_rows_tile<1>(x, tile, warp, g, tq, c);
+                    mma_rows_tile<1>(x, rows, tile, warp, g, tq, c);
                 else
-                    mma_rows_tile<2>(x, tile, warp, g, tq, c);
+                    mma_rows_tile<2>(x, rows, tile, warp, g, tq, c);
                 __syncthreads();
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
-                    if (mi < mtiles) {
 #pragma unroll
-                        for (int ni = 0; ni < 2; ++ni) {
-                            float* w = x + (16 * mi + g) * AP + 16 * warp + 8 * ni + 2 * tq;
-                            *reinterpret_cast<float2*>(w) = make_float2(c[mi][ni][0], c[mi][ni][1]);
+                    for (int ni = 0; ni < 2; ++ni) {
+                        float* w = x + (16 * mi + g) * AP + 16 * warp + 8 * ni + 2 * tq;
+                        if (16 * mi + g < rows) *reinterpret_cast<float2*>(w) = make_float2(c[mi][ni][0], c[mi][ni][1]);
+                        if (16 * mi + g + 8 < rows)
                             *reinterpret_cast<float2*>(w + 8 * AP) = make_float2(c[mi][ni][2], c[mi][ni][3]);
-                        }
                     }
                 }
             }

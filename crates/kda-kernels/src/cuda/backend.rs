@@ -511,10 +511,10 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let smem = match kernel {
         RingKernel::Tile => rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt),
         RingKernel::Mma => {
-            // keys and queries in whole 16-row mma tiles, decays (rows of K + 4 floats); the
-            // pair matrices, betas, P; the tile (rows of 128 elements + 16 bytes)
-            let (mr, ap, pp) = ((mt + mq).next_multiple_of(16), s.k + 4, RING_MAX_TOKENS + 1);
-            let floats = (mr + mt) * ap + 2 * RING_MAX_TOKENS * pp + RING_MAX_TOKENS;
+            // keys and queries, decays (rows of K + 4 floats); the pair matrices, betas, P; the
+            // tile (rows of 128 elements + 16 bytes)
+            let (ap, pp) = (s.k + 4, RING_MAX_TOKENS + 1);
+            let floats = (2 * mt + mq) * ap + 2 * RING_MAX_TOKENS * pp + RING_MAX_TOKENS;
             rows + 4 * floats + r16(4 * s.k) + MMA_ITEM * (MMA_ITEM * s.state_size + 16)
         }
         _ => {
@@ -564,16 +564,40 @@ fn ring_tile_from(state_size: usize, max_new: usize) -> Option<usize> {
     }
 }
 
+/// The fewest items of a spec_verify call on a 2-byte pool with at least
+/// [`MMA_SPEC_MIN_NEW`] new tokens per sequence that `kda_ring_mma` runs by default: with three
+/// CTAs per SM it measured 8-10% faster than the kernel chosen before at 768-4096 items and 15%
+/// at 384 (H200, T = 4, fp16 and bf16; docs/performance.md, twenty-third session); smaller calls
+/// were not measured. With three drafts it was mixed (3% slower at 768 items), with fp32 pools,
+/// ring decode and replay slower.
+const MMA_SPEC_FROM: usize = 384;
+/// See [`MMA_SPEC_FROM`].
+const MMA_SPEC_MIN_NEW: usize = 4;
+
+/// Whether a call of `op` of `items` items is one `kda_ring_mma` runs by default (where it fits).
+fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
+    op == Op::SpecVerify
+        && s.state_size == 2
+        && s.max_new >= MMA_SPEC_MIN_NEW
+        && items >= MMA_SPEC_FROM
+}
+
 /// The ring kernel of a call of `op`, or `None` for `kda_step`: `forced`
-/// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_tile` for small ring
+/// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_mma` for big
+/// spec_verify calls of four or more drafts on 2-byte pools ([`mma_spec`]), `kda_ring_tile` for small ring
 /// decode and replay calls ([`RING_TILE_DECODE_UPTO`], [`RING_TILE_REPLAY_UPTO`] items) and
 /// spec_verify calls of two or more drafts up to [`RING_TILE_SPEC_UPTO`] items or from
 /// [`ring_tile_from`]'s item count, and `kda_ring` for the rest (ring
 /// decode and replay measured 2-24% slower with the tile kernel at N >= 64: docs/performance.md,
 /// eighteenth and nineteenth sessions).
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
+    let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
+    if forced.is_none() && mma_spec(s, op, items) {
+        if let Some(p) = ring_plan(s, RingKernel::Mma) {
+            return Some(p);
+        }
+    }
     let kernel = forced.unwrap_or_else(|| {
-        let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
         let tile = match op {
             Op::Decode => items <= RING_TILE_DECODE_UPTO,
             Op::Replay => items <= RING_TILE_REPLAY_UPTO,
@@ -698,14 +722,16 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Chooses the kernel of calls with a ring ([`RingKernel`]): `kda_ring` or `kda_ring_tile`
-    /// wherever the call fits them (nearest rounding, whole 16-byte tile rows, whole 4-byte
-    /// token rows, at most 16 pending and new tokens per sequence), else `kda_step`. `None` (the
-    /// default) picks per call (`ring_choice`): `kda_ring_tile` for ring decode calls of at most
-    /// 128 items (sequences x value heads at K = V = 128), replay calls of at most 64, and
-    /// spec_verify calls with two or more drafts per sequence of at most 128 items or at least
+    /// Chooses the kernel of calls with a ring ([`RingKernel`]): `kda_ring`, `kda_ring_tile` or
+    /// `kda_ring_mma` wherever the call fits them (nearest rounding, whole 16-byte tile rows,
+    /// whole 4-byte token rows, at most 16 pending and new tokens per sequence; `kda_ring_mma`
+    /// also K = 128 and whole 128-column items), else `kda_step`. `None` (the default) picks per
+    /// call (`ring_choice`): `kda_ring_mma` for spec_verify calls with four or more drafts per
+    /// sequence on 2-byte pools from 384 items (sequences x value heads at K = V = 128);
+    /// `kda_ring_tile` for ring decode calls of at most 128 items, replay calls of at most 64,
+    /// and the other spec_verify calls with two or more drafts of at most 128 items or at least
     /// `ring_tile_from`'s (512 with 4 or more drafts, 1024 with 2, 1024 or 2048 with 3);
-    /// `kda_ring` for the rest. All give the same bits.
+    /// `kda_ring` for the rest. All but `kda_ring_mma` give the same bits.
     pub fn set_ring_kernel(&self, kernel: Option<RingKernel>) -> Result<()> {
         *self.ring_kernel.lock() = kernel;
         Ok(())
@@ -1806,18 +1832,21 @@ mod tests {
                 assert_eq!((p.mt, p.mq, p.gran, p.vblocks), (14, 4, 8, 1));
             }
         }
-        // kda_ring_mma at T = 4 with a whole ring of 11 pending (15 tokens, two mma row tiles)
-        // still fits two fp32 CTAs per SM
+        // kda_ring_mma with 16 tokens per item (two mma row tiles) still fits two fp32 CTAs per
+        // SM, and three of a 2-byte pool (its register bound) at T = 4
         let p = ring_plan(&ring_shape(4, 11, 5), RingKernel::Mma).expect("kda_ring_mma, 16 tokens");
         assert!(two_per_sm(p), "{} bytes", p.smem);
+        let p = ring_plan(&ring_shape(2, 10, 4), RingKernel::Mma).unwrap();
+        assert!(3 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
     }
 
     #[test]
     fn ring_choice_takes_the_tile_kernel_where_it_measured_faster() {
+        // one item per CTA: kda_ring_tile, or kda_ring_mma where it measured faster still
         let tile = |state_size, max_new, heads, op| {
             let mut s = ring_shape(state_size, 2 * (max_new + 1), max_new);
             s.heads = heads;
-            ring_choice(&s, op, None).map(|p| p.kernel == RingKernel::Tile)
+            ring_choice(&s, op, None).map(|p| p.kernel != RingKernel::Pipelined)
         };
         // whole heads of 128 columns: one item per head. Up to 128 items with any number of
         // drafts; T = 4 from 512 items, T = 2 from 1024, fp32 T = 3 from 1024, 2-byte from 2048
@@ -1837,7 +1866,10 @@ mod tests {
                     "{case}, {heads}"
                 );
             }
-            for heads in [129, from / 2, from - 1] {
+            // (kda_ring_mma takes 2-byte calls of four drafts from MMA_SPEC_FROM items)
+            let mma =
+                |heads| state_size == 2 && max_new >= MMA_SPEC_MIN_NEW && heads >= MMA_SPEC_FROM;
+            for heads in [129, from / 2, from - 1].into_iter().filter(|&h| !mma(h)) {
                 assert_eq!(
                     tile(state_size, max_new, heads, Op::SpecVerify),
                     Some(false),
@@ -1899,6 +1931,51 @@ mod tests {
         assert_eq!(
             ring_choice(&st, Op::SpecVerify, Some(RingKernel::Tile)),
             None
+        );
+    }
+
+    #[test]
+    fn ring_choice_takes_the_mma_kernel_for_big_2_byte_spec_calls_of_four_drafts() {
+        let kernel = |state_size, max_new, heads, op| {
+            let mut s = ring_shape(state_size, 2 * (max_new + 1), max_new);
+            s.heads = heads;
+            ring_choice(&s, op, None).map(|p| p.kernel)
+        };
+        for heads in [MMA_SPEC_FROM, 768, 2048, 8192] {
+            assert_eq!(
+                kernel(2, 4, heads, Op::SpecVerify),
+                Some(RingKernel::Mma),
+                "{heads} items"
+            );
+        }
+        assert_eq!(
+            kernel(2, 4, MMA_SPEC_FROM - 1, Op::SpecVerify),
+            Some(RingKernel::Pipelined)
+        );
+        // more drafts (six, with a ring of 8: 14 tokens per item) too
+        let mut s = ring_shape(2, 8, 6);
+        s.heads = 2048;
+        assert_eq!(
+            ring_choice(&s, Op::SpecVerify, None).map(|p| p.kernel),
+            Some(RingKernel::Mma)
+        );
+        // fp32 pools, fewer drafts, ring decode and replay keep their kernels
+        assert_eq!(kernel(4, 4, 2048, Op::SpecVerify), Some(RingKernel::Tile));
+        assert_eq!(kernel(2, 3, 2048, Op::SpecVerify), Some(RingKernel::Tile));
+        assert_eq!(kernel(2, 1, 8192, Op::Decode), Some(RingKernel::Pipelined));
+        assert_eq!(kernel(2, 0, 8192, Op::Replay), Some(RingKernel::Pipelined));
+        // where kda_ring_mma does not fit (K = 64 here), the tile kernel as before
+        let mut s = ring_shape(2, 10, 4);
+        (s.k, s.heads) = (64, 2048);
+        assert_eq!(
+            ring_choice(&s, Op::SpecVerify, None).map(|p| p.kernel),
+            Some(RingKernel::Tile)
+        );
+        // and a forced kernel still wins
+        s.k = 128;
+        assert_eq!(
+            ring_choice(&s, Op::SpecVerify, Some(RingKernel::Pipelined)).map(|p| p.kernel),
+            Some(RingKernel::Pipelined)
         );
     }
 
