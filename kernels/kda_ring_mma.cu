@@ -26,7 +26,7 @@
 //
 // Where it runs (`ring_choice` in backend.rs; docs/performance.md, twenty-third session): by
 // default for spec_verify calls of four or more drafts on 2-byte pools from 384 items, where with
-// three CTAs per SM (80 registers: MMA_CTAS) it measured 8-15% faster than the kernels chosen
+// three CTAs per SM (80 registers: MMA_CTAS) it measured 6-15% faster than the kernels chosen
 // before. Elsewhere only when forced (`RingKernel::Mma`): 12-33% slower than kda_ring_tile for
 // fp32 pools (two CTAs per SM) and mixed for three drafts; ring decode and replay slower than
 // their kernels. An item's 2 to 16 tokens are few for the chunk: its phases (tile in, pair

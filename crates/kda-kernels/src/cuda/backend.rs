@@ -566,7 +566,7 @@ fn ring_tile_from(state_size: usize, max_new: usize) -> Option<usize> {
 
 /// The fewest items of a spec_verify call on a 2-byte pool with at least
 /// [`MMA_SPEC_MIN_NEW`] new tokens per sequence that `kda_ring_mma` runs by default: with three
-/// CTAs per SM it measured 8-10% faster than the kernel chosen before at 768-4096 items and 15%
+/// CTAs per SM it measured 6-9% faster than the kernel chosen before at 768-4096 items and 15%
 /// at 384 (H200, T = 4, fp16 and bf16; docs/performance.md, twenty-third session); smaller calls
 /// were not measured. With three drafts it was mixed (3% slower at 768 items), with fp32 pools,
 /// ring decode and replay slower.
