@@ -638,6 +638,48 @@ __device__ __forceinline__ void prefetch_ring_rows(const KdaParams& p, kda_u32 s
 // The one-item-per-CTA ring kernels' (kda_ring_tile, kda_ring_mma) shared steps. LT: the
 // kernel's shared-memory layout (its token rows: tokb, qrow, bias, sbeta as RingTileLayout's).
 
+// What an item of the one-item-per-CTA kernels knows before its plan (item = blockIdx.x):
+// sequence n, its slot, value head hv (q/k head h), first column cb, columns cwv.
+struct TileItem {
+    kda_u32 item, per_seq, n, slot;
+    int hv, cb, cwv, h;
+};
+
+// The item's coordinates and slot (the host's: read before the wait, early_slot), a dependent
+// launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host checked).
+template <bool WHOLE = false> __device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p) {
+    TileItem it;
+    it.item = blockIdx.x;
+    it.per_seq = p.hv * p.vblocks;
+    it.n = kda_div(it.item, p.div_seq);
+    const kda_u32 rem = it.item - it.n * it.per_seq;
+    it.hv = (int)kda_div(rem, p.div_vb);
+    it.cb = (int)(rem - (kda_u32)it.hv * p.vblocks) * RCW;
+    it.cwv = WHOLE ? RCW : cmin(RCW, V - it.cb);
+    it.slot = early_slot(p, it.n);
+    it.h = (int)kda_div((kda_u32)it.hv, p.div_grp);
+#if KDA_GRID_DEPENDENCY
+    if (p.early != 0u) {
+        prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
+        prefetch_ring_rows(p, it.slot, it.h, it.hv, it.cb, it.cwv);
+    }
+#endif
+    KDA_DEPENDENT_LAUNCH();
+    return it;
+}
+
+// Thread 0 plans the item into s_plan; thread 32 reads exp(a_log) into s_aexp (in shared
+// memory: a register of every thread across the tile's loads spilled; on another warp than the
+// plan's, so neither load waits for the other).
+__device__ __forceinline__ void tile_item_plan(const KdaParams& p, const TileItem& it, Plan& s_plan, float& s_aexp) {
+    if (threadIdx.x == 0) {
+        const RingRec r = ring_rec_load(p, it.item, it.slot);
+        s_plan = plan_from(p, it.slot, r.b1 - r.b0, r.len, r.pend, r.acc, reinterpret_cast<kda_u32*>(p.err),
+                           it.hv == 0 && it.cb == 0);
+    }
+    if (threadIdx.x == 32) s_aexp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[it.hv]) : 0.0f;
+}
+
 // Copies the new tokens' rows (they do not depend on the plan): q, k, g, v of token j at rows
 // 4 j .. 4 j + 3 of the copy list, one warp per row; then dt_bias. Not committed.
 template <typename LT>
@@ -745,34 +787,13 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     __shared__ kda_u32 s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
-    const kda_u32 item = blockIdx.x;
-    const kda_u32 per_seq = p.hv * p.vblocks;
-    const kda_u32 n = kda_div(item, p.div_seq);
-    const kda_u32 rem = item - n * per_seq;
-    const int hv = (int)kda_div(rem, p.div_vb);
-    const int cb = (int)(rem - (kda_u32)hv * p.vblocks) * RCW;
-    const int cwv = cmin(RCW, V - cb);
-    // the slots are the host's: read before the wait (early_slot)
-    const kda_u32 slot = early_slot(p, n);
-    const int h = (int)kda_div((kda_u32)hv, p.div_grp);
-#if KDA_GRID_DEPENDENCY
-    if (p.early != 0u) {
-        prefetch_tile(state_head(p, slot, hv), cb, cwv);
-        prefetch_ring_rows(p, slot, h, hv, cb, cwv);
-    }
-#endif
-    KDA_DEPENDENT_LAUNCH();
+    const TileItem it = tile_item_begin(p);
+    const kda_u32 per_seq = it.per_seq, n = it.n, slot = it.slot;
+    const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h;
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
     kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
-    if (threadIdx.x == 0) {
-        const RingRec r = ring_rec_load(p, item, slot);
-        s_plan = plan_from(p, slot, r.b1 - r.b0, r.len, r.pend, r.acc, reinterpret_cast<kda_u32*>(p.err),
-                           hv == 0 && cb == 0);
-    }
-    // (in shared memory: a register of every thread across the tile's loads spilled; on another
-    // warp than the plan's, so neither load waits for the other)
-    if (threadIdx.x == 32) s_aexp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+    tile_item_plan(p, it, s_plan, s_aexp);
     const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
     const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
     const int group = (int)(p.hv / p.h);

@@ -304,33 +304,15 @@ extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mm
         __shared__ kda_u32 s_last;
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
-        const kda_u32 item = blockIdx.x;
-        const kda_u32 per_seq = p.hv * p.vblocks;
-        const kda_u32 n = kda_div(item, p.div_seq);
-        const kda_u32 rem = item - n * per_seq;
-        const int hv = (int)kda_div(rem, p.div_vb);
-        const int cb = (int)(rem - (kda_u32)hv * p.vblocks) * RCW;
-        const int cwv = RCW;
-        const kda_u32 slot = early_slot(p, n);
-        const int h = (int)kda_div((kda_u32)hv, p.div_grp);
-#if KDA_GRID_DEPENDENCY
-        if (p.early != 0u) {
-            prefetch_tile(state_head(p, slot, hv), cb, cwv);
-            prefetch_ring_rows(p, slot, h, hv, cb, cwv);
-        }
-#endif
-        KDA_DEPENDENT_LAUNCH();
+        const TileItem it = tile_item_begin<true>(p);
+        const kda_u32 per_seq = it.per_seq, n = it.n, slot = it.slot;
+        const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h;
         // the tile is copied in once the plan is known (below), from L2
         if (p.early == 0u) prefetch_tile(state_head(p, slot, hv), cb, cwv);
         const MmaLayout L((int)p.ring_mt, (int)p.ring_mq);
         const int mq = (int)p.ring_mq;
         kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
-        if (threadIdx.x == 0) {
-            const RingRec r = ring_rec_load(p, item, slot);
-            s_plan = plan_from(p, slot, r.b1 - r.b0, r.len, r.pend, r.acc, reinterpret_cast<kda_u32*>(p.err),
-                               hv == 0 && cb == 0);
-        }
-        if (threadIdx.x == 32) s_aexp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+        tile_item_plan(p, it, s_plan, s_aexp);
         const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
         const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
         const int group = (int)(p.hv / p.h);
