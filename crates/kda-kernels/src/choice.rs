@@ -44,7 +44,8 @@ pub enum RingKernel {
     /// chunk on the tensor cores (3xTF32 `mma.sync`, f32 accuracy), the tile read once into
     /// shared memory and written once at a commit. K = 128 and whole 128-column items only; not
     /// the bits of the others (fp32 states within about 1e-6, 2-byte ones within one rounding
-    /// step of them).
+    /// step of them). The default for big spec_verify calls of four or more drafts on 2-byte
+    /// pools.
     Mma,
     /// The general kernel of every operation, one q/k head with its value heads per CTA
     /// (`kda_step`).

@@ -584,8 +584,8 @@ fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
 
 /// The ring kernel of a call of `op`, or `None` for `kda_step`: `forced`
 /// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_mma` for big
-/// spec_verify calls of four or more drafts on 2-byte pools ([`mma_spec`]), `kda_ring_tile` for small ring
-/// decode and replay calls ([`RING_TILE_DECODE_UPTO`], [`RING_TILE_REPLAY_UPTO`] items) and
+/// spec_verify calls of four or more drafts on 2-byte pools ([`mma_spec`]), `kda_ring_tile` for
+/// small ring decode and replay calls ([`RING_TILE_DECODE_UPTO`], [`RING_TILE_REPLAY_UPTO`] items) and
 /// spec_verify calls of two or more drafts up to [`RING_TILE_SPEC_UPTO`] items or from
 /// [`ring_tile_from`]'s item count, and `kda_ring` for the rest (ring
 /// decode and replay measured 2-24% slower with the tile kernel at N >= 64: docs/performance.md,
@@ -2033,30 +2033,30 @@ mod tests {
 
     #[test]
     fn ring_plan_refuses_what_the_ring_kernels_cannot_take() {
-        for tile in [RingKernel::Pipelined, RingKernel::Tile, RingKernel::Mma] {
+        for kernel in [RingKernel::Pipelined, RingKernel::Tile, RingKernel::Mma] {
             assert_eq!(
-                ring_plan(&ring_shape(2, 0, 1), tile),
+                ring_plan(&ring_shape(2, 0, 1), kernel),
                 None,
                 "no ring: eager kernels"
             );
             let mut s = ring_shape(2, 4, 1);
             s.stochastic = true;
-            assert_eq!(ring_plan(&s, tile), None, "stochastic rounding: kda_step");
+            assert_eq!(ring_plan(&s, kernel), None, "stochastic rounding: kda_step");
             assert_eq!(
-                ring_plan(&ring_shape(2, 12, 5), tile),
+                ring_plan(&ring_shape(2, 12, 5), kernel),
                 None,
                 "17 tokens per item"
             );
             let mut s = ring_shape(2, 4, 1);
             s.v = 20;
-            assert_eq!(ring_plan(&s, tile), None, "tile rows of 40 bytes");
+            assert_eq!(ring_plan(&s, kernel), None, "tile rows of 40 bytes");
             let mut s = ring_shape(2, 4, 1);
             s.k = 24;
             s.v = 8;
             // one head: a ring entry of 2 (24 + 8 + 24 + 1) = 114 bytes, 2-byte copies only
             s.entry_bytes = 114;
             assert_eq!(
-                ring_plan(&s, tile),
+                ring_plan(&s, kernel),
                 None,
                 "token rows without 4-byte copies"
             );
