@@ -638,11 +638,16 @@ __device__ __forceinline__ void prefetch_ring_rows(const KdaParams& p, kda_u32 s
 // The one-item-per-CTA ring kernels' (kda_ring_tile, kda_ring_mma) shared steps. LT: the
 // kernel's shared-memory layout (its token rows: tokb, qrow, bias, sbeta as RingTileLayout's).
 
-// What an item of the one-item-per-CTA kernels knows before its plan (item = blockIdx.x):
-// sequence n, its slot, value head hv (q/k head h), first column cb, columns cwv.
+// What an item of the one-item-per-CTA kernels knows (item = blockIdx.x): sequence n, its
+// slot, value head hv (q/k head h, group value heads per q/k head), first column cb, columns
+// cwv; once planned (tile_item_plan) the slot's ring record `meta` and the sequence's new
+// tokens bos .. bos + nnew.
 struct TileItem {
     kda_u32 item, per_seq, n, slot;
     int hv, cb, cwv, h;
+    kda_u32* meta;
+    kda_u32 bos, nnew;
+    int group;
 };
 
 // The item's coordinates and slot (the host's: read before the wait, early_slot), a dependent
@@ -670,14 +675,27 @@ template <bool WHOLE = false> __device__ __forceinline__ TileItem tile_item_begi
 
 // Thread 0 plans the item into s_plan; thread 32 reads exp(a_log) into s_aexp (in shared
 // memory: a register of every thread across the tile's loads spilled; on another warp than the
-// plan's, so neither load waits for the other).
-__device__ __forceinline__ void tile_item_plan(const KdaParams& p, const TileItem& it, Plan& s_plan, float& s_aexp) {
+// plan's, so neither load waits for the other); then the sequence's tokens.
+__device__ __forceinline__ void tile_item_plan(const KdaParams& p, TileItem& it, Plan& s_plan, float& s_aexp) {
+    it.meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)it.slot * 4;
     if (threadIdx.x == 0) {
         const RingRec r = ring_rec_load(p, it.item, it.slot);
         s_plan = plan_from(p, it.slot, r.b1 - r.b0, r.len, r.pend, r.acc, reinterpret_cast<kda_u32*>(p.err),
                            it.hv == 0 && it.cb == 0);
     }
     if (threadIdx.x == 32) s_aexp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[it.hv]) : 0.0f;
+    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
+    it.bos = bounds[it.n];
+    it.nnew = bounds[it.n + 1] - it.bos;
+    it.group = (int)(p.hv / p.h);
+}
+
+// Once every ring read of the CTA is done: thread 0 arrives on the slot's counter and returns
+// the count before it (looked at at the end, tile_settle); 0 in the other threads.
+__device__ __forceinline__ kda_u32 tile_arrive(kda_u32* meta) {
+    kda_u32 old = 0u;
+    if (threadIdx.x == 0) old = atomicAdd(meta + 2, 1u);
+    return old;
 }
 
 // Copies the new tokens' rows (they do not depend on the plan): q, k, g, v of token j at rows
@@ -787,16 +805,13 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     __shared__ kda_u32 s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
-    const TileItem it = tile_item_begin(p);
-    const kda_u32 per_seq = it.per_seq, n = it.n, slot = it.slot;
-    const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h;
+    TileItem it = tile_item_begin(p);
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
-    kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
     tile_item_plan(p, it, s_plan, s_aexp);
-    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-    const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
-    const int group = (int)(p.hv / p.h);
+    const kda_u32 per_seq = it.per_seq, slot = it.slot, bos = it.bos, nnew = it.nnew;
+    const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h, group = it.group;
+    kda_u32* meta = it.meta;
 
     // the tile's loads
     ST* head = state_head(p, slot, (size_t)hv);
@@ -821,9 +836,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     if (work) tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran);
     cp_async_wait<0>();
     __syncthreads();
-    // every ring read of this CTA is done: arrive (the result is looked at at the end)
-    kda_u32 old = 0u;
-    if (threadIdx.x == 0) old = atomicAdd(meta + 2, 1u);
+    const kda_u32 old = tile_arrive(meta);
     if (work) {
         // activations: keys (combined token t from raw row t < pend ? mq + t : t - pend) and
         // queries a warp per row; decays and values over all threads

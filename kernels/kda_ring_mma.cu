@@ -304,18 +304,15 @@ extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mm
         __shared__ kda_u32 s_last;
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
-        const TileItem it = tile_item_begin<true>(p);
-        const kda_u32 per_seq = it.per_seq, n = it.n, slot = it.slot;
-        const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h;
+        TileItem it = tile_item_begin<true>(p);
         // the tile is copied in once the plan is known (below), from L2
-        if (p.early == 0u) prefetch_tile(state_head(p, slot, hv), cb, cwv);
+        if (p.early == 0u) prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
         const MmaLayout L((int)p.ring_mt, (int)p.ring_mq);
         const int mq = (int)p.ring_mq;
-        kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
         tile_item_plan(p, it, s_plan, s_aexp);
-        const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-        const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
-        const int group = (int)(p.hv / p.h);
+        const kda_u32 per_seq = it.per_seq, slot = it.slot, bos = it.bos, nnew = it.nnew;
+        const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h, group = it.group;
+        kda_u32* meta = it.meta;
 
         // the new tokens' rows
         ST* head = state_head(p, slot, (size_t)hv);
@@ -340,9 +337,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mm
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        // every ring read of this CTA is done: arrive (the result is looked at at the end)
-        kda_u32 old = 0u;
-        if (threadIdx.x == 0) old = atomicAdd(meta + 2, 1u);
+        const kda_u32 old = tile_arrive(meta);
         if (work) {
             float* x = reinterpret_cast<float*>(dsm + L.x);
             float* dk = reinterpret_cast<float*>(dsm + L.dk);
