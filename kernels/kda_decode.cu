@@ -55,6 +55,7 @@ struct KdaParams {
     kda_u64 a_log, dt_bias;          // f32 [HV], [HV*K]; 0 when the gate is activated
     kda_u64 out;                     // [T,HV,V] of KDA_IT
     kda_u64 ssm, ring, meta;         // the layer's planes
+    kda_u64 delta;                   // f32 [slot][ring_len][HV][V]: the ring entries' delta vectors
     kda_u64 bounds, slots, accepted; // u32 [N+1], u32 [N], u32 [N] (0: none)
     kda_u64 err;                     // u32 [4]: flags, first bad slot, any store, spare
     kda_u32 n_seqs, h, hv, ring_len;
@@ -301,10 +302,11 @@ __device__ __forceinline__ void store_tile(ST* head, int lk, int col0, const flo
 // Both kernels step through this one function, so eager decode and the ring agree bit for bit.
 // VEC_V: the values as one vector where all TV are valid (kda_ring; in the eager kernels the
 // second path cost registers).
-template <bool VEC_V = false>
+// U_OUT: the token's delta vector u into uo[0 .. TV) as well (kda_ring_delta's replay).
+template <bool VEC_V = false, bool U_OUT = false>
 __device__ __forceinline__ void token_step(float (&s)[TK][TV], const float* k, const float* d, const float* q,
                                            const float* vp, int vlim, float bt, int lk, bool out,
-                                           float (&o)[TV]) {
+                                           float (&o)[TV], float* uo = nullptr) {
     // 1) decay the rows, 2) k S
     float acc[TV];
 #pragma unroll
@@ -337,6 +339,10 @@ __device__ __forceinline__ void token_step(float (&s)[TK][TV], const float* k, c
             const float vv = c < vlim ? vp[c] : 0.0f;
             u[c] = bt * (vv - acc[c]);
         }
+    }
+    if constexpr (U_OUT) {
+#pragma unroll
+        for (int c = 0; c < TV; ++c) uo[c] = u[c];
     }
     float kv[TK];
     rows_from_smem(k, lk, kv);
@@ -632,6 +638,7 @@ __device__ __forceinline__ void ring_finish(const KdaParams& p, const Plan& pl, 
                 meta[0] = pl.new_len;
                 meta[1] = pl.new_pending;
                 meta[2] = 0u;
+                meta[3] = 0u; // no delta vectors stored (kda_ring_delta's)
             }
         }
     }

@@ -303,6 +303,7 @@ __device__ __forceinline__ void ring_settle(const RingArrival& prev, bool last, 
         m[0] = prev.new_len;
         m[1] = prev.new_pending;
         m[2] = 0u;
+        m[3] = 0u; // no delta vectors stored (kda_ring_delta's)
         if (prev.copy) {
             s_copy[0] = prev.slot;
             s_copy[1] = prev.bos;
@@ -780,15 +781,18 @@ __device__ __forceinline__ void tile_append(const unsigned char* dsm, const LT& 
 
 // The end of an item (every thread): the last CTA of the slot to arrive (`old`, the counter
 // before this CTA's arrival) writes the new record, and a commit's new entries.
+// `cached`: the ring entries 0.. whose delta vectors the delta plane holds after the call (only
+// kda_ring_delta stores them; 0 from the others).
 __device__ __forceinline__ void tile_settle(const KdaParams& p, const Plan& pl, kda_u32 old, kda_u32 per_seq,
                                             bool store, kda_u32* meta, kda_u32 slot, kda_u32 bos, kda_u32 nnew,
-                                            kda_u32& s_last) {
+                                            kda_u32& s_last, kda_u32 cached = 0u) {
     if (threadIdx.x == 0) {
         const bool last = old == per_seq - 1;
         if (last) {
             meta[0] = pl.new_len;
             meta[1] = pl.new_pending;
             meta[2] = 0u;
+            meta[3] = cached;
         }
         s_last = last && store && pl.append_at != KDA_NONE && nnew > 0;
     }

@@ -246,6 +246,15 @@ fn spec_tokens_size_a_ring() {
     );
     let total = j["per_slot_bytes"]["total"].as_u64().unwrap();
     assert_eq!(j["pool_bytes"].as_u64().unwrap(), 66 * total);
+    // with a delta plane, each entry's f32 delta vectors (12 x 128) too
+    let d = ok_json(
+        &["--spec-tokens", "3", "--dtype", "fp16", "--ring-deltas"],
+        &[],
+    );
+    assert_eq!(
+        d["per_slot_bytes"]["ring"],
+        69 * (8 * (3 * 12 * 128 + 12) * 2 + 16 + 8 * 12 * 128 * 4)
+    );
     let j = ok_json(&["--spec-tokens", "3", "--ring-len", "0"], &[]);
     assert_eq!(j["ring_len"], 0);
 }

@@ -101,6 +101,7 @@ pub fn image_pool() -> StatePool<HostMemory> {
         layout: StateLayout::KFirst,
         ring_len: 2,
         ring_dtype: Dtype::Bf16,
+        ring_deltas: false,
         slots: 2,
         checkpoint_slots: 0,
         rounding: Default::default(),

@@ -128,6 +128,7 @@ pub fn geometry(
         layout: StateLayout::KFirst,
         ring_len: variant.ring_len,
         ring_dtype: io_dtype,
+        ring_deltas: false,
         slots,
         checkpoint_slots: 0,
         rounding: variant.rounding.rounding(seed),

@@ -31,10 +31,11 @@ use super::CliError;
 
 /// The ring kernels each ring case is also timed with, forced, and their rows' suffixes
 /// (`decode-piped`, `spec-tile`, `replay-step`, ...).
-const RING_ROWS: [(&str, RingKernel); 4] = [
+const RING_ROWS: [(&str, RingKernel); 5] = [
     ("piped", RingKernel::Pipelined),
     ("tile", RingKernel::Tile),
     ("mma", RingKernel::Mma),
+    ("delta", RingKernel::Delta),
     ("step", RingKernel::Step),
 ];
 
@@ -131,7 +132,7 @@ pub struct Args {
     pub dependent_launch: String,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
-    /// blocked; with a ring: piped, tile, mma, step).
+    /// blocked; with a ring: piped, tile, mma, delta, step).
     #[arg(long, default_value = "all")]
     pub forced: String,
 }
@@ -290,6 +291,8 @@ fn bench_geometry(
         layout,
         ring_len,
         ring_dtype: IN,
+        // ring decode runs kda_ring_delta by default where the pool has a delta plane
+        ring_deltas: ring_len > 0,
         slots,
         checkpoint_slots: 0,
         rounding: Rounding::Nearest,
@@ -781,7 +784,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 // the default kernel, then each ring kernel forced
                                 let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                 b.record("spec", h, n, t, l, state, layout, sets, us, bytes)?;
-                                for &(op, k) in &ring_rows {
+                                // (kda_ring_delta takes one new token per sequence at most)
+                                let fits = |k: RingKernel| k != RingKernel::Delta || t <= 1;
+                                for &(op, k) in ring_rows.iter().filter(|r| fits(r.1)) {
                                     be.set_ring_kernel(Some(k)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                     let op = format!("spec-{op}");

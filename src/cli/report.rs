@@ -35,6 +35,11 @@ pub struct Args {
     /// Replay-ring length in tokens (overrides the one from --spec-tokens; default 0).
     #[arg(long, value_name = "N")]
     pub ring_len: Option<usize>,
+    /// Give the pool a delta plane: f32 delta vectors of the ring entries (ring_len x HV x V x 4
+    /// bytes more per slot and layer) that let the GPU's ring decode skip replaying the pending
+    /// entries (`kda_ring_delta`).
+    #[arg(long)]
+    pub ring_deltas: bool,
     /// Checkpoint slots beside the request slots.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub checkpoint_slots: usize,
@@ -124,6 +129,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let config = PoolConfig {
         state_dtype: dtype,
         ring_len,
+        ring_deltas: args.ring_deltas,
         slots: args.slots,
         checkpoint_slots: args.checkpoint_slots,
         ..PoolConfig::default()

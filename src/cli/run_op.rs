@@ -99,6 +99,7 @@ impl BackendTask for Task<'_> {
             layout: c.layout,
             ring_len: 0,
             ring_dtype: c.v.dtype,
+            ring_deltas: false,
             slots: n,
             checkpoint_slots: 0,
             rounding: Rounding::Nearest,

@@ -29,6 +29,7 @@ fn config(state: Dtype, spec_tokens: usize, ring_len: usize, layout: StateLayout
             layout,
             ring_len,
             ring_dtype: io,
+            ring_deltas: false,
             slots: 3,
             checkpoint_slots: 2,
             rounding: Default::default(),

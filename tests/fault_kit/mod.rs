@@ -28,6 +28,7 @@ pub fn geometry(state: Dtype, ring_len: usize, slots: usize) -> PoolGeometry {
         layout: StateLayout::KFirst,
         ring_len,
         ring_dtype: Dtype::Fp32,
+        ring_deltas: false,
         slots,
         checkpoint_slots: 2,
         rounding: Default::default(),

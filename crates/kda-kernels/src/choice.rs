@@ -31,7 +31,7 @@ pub enum EagerKernel {
 }
 
 /// The kernels of calls with a ring (decode, spec_verify and replay over the replay ring). All
-/// but `Mma` give the same bits.
+/// but `Mma` and `Delta` give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RingKernel {
     /// Persistent CTAs of 8 warps that copy the next item's token rows and state tile into
@@ -47,6 +47,13 @@ pub enum RingKernel {
     /// step of them). The default for big spec_verify calls of four or more drafts on 2-byte
     /// pools.
     Mma,
+    /// `kda_ring_delta`: `Tile`'s items for calls of at most one new token per sequence (ring
+    /// decode, spec_verify with one draft, replay). It keeps each appended entry's f32 delta
+    /// vector in the pool's delta plane, so a new token needs two products with the state tile
+    /// instead of a replay of the pending entries, and a commit is one rank-`pending` update.
+    /// Pending entries another kernel appended are replayed once. Not the bits of the others
+    /// (fp32 states within about 1e-6, 2-byte ones within one rounding step of them).
+    Delta,
     /// The general kernel of every operation, one q/k head with its value heads per CTA
     /// (`kda_step`).
     Step,

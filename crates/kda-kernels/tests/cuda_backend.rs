@@ -127,6 +127,17 @@ fn within_one_step(a: f32, b: f32, dtype: Dtype, noise: f32) -> bool {
 /// same states and inputs; compares outputs and states. Returns the worst relative output
 /// difference and the fraction of bit-exact state elements after the first store.
 fn compare_with_cpu(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) -> (f64, f64) {
+    compare_with_cpu_every(cu, case, steps, seed, 3)
+}
+
+/// `compare_with_cpu` with a verify and flush every `spec_every` calls (0: decode only).
+fn compare_with_cpu_every(
+    cu: &CudaBackend,
+    case: &Case,
+    steps: usize,
+    seed: u64,
+    spec_every: usize,
+) -> (f64, f64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let init = initial_states(case, &mut rng);
     let mut cpu_layer: TestLayer<_> = layer_with_states(
@@ -148,7 +159,7 @@ fn compare_with_cpu(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) -> (
         2e-2
     };
     for step in 0..steps {
-        let use_spec = case.ring_len > 0 && step % 3 == 2;
+        let use_spec = case.ring_len > 0 && spec_every > 0 && step % spec_every == spec_every - 1;
         let (bounds, acc): (Vec<usize>, Vec<u32>) = if use_spec {
             let lens: Vec<usize> = (0..n)
                 .map(|_| rng.random_range(0..=case.ring_len))
@@ -784,6 +795,41 @@ fn cuda_tensor_core_ring_kernel_matches_the_cpu_backend() {
     cu.set_ring_kernel(None).expect("ring kernel");
 }
 
+/// `kda_ring_delta` reads stored delta vectors instead of replaying the pending entries, so it
+/// is checked against the CPU backend with the tolerances, as `kda_ring_mma`: first 20
+/// ring decodes (commits every `ring_len` tokens from stored vectors), then `compare_with_cpu`'s
+/// mix of decodes, verifies of 0..=ring_len drafts (those of two or more run on `kda_step`, which
+/// stores no vectors, so the next call replays) and flushes; every pool dtype, both layouts,
+/// GVA, bf16 and fp32 inputs, and a head of 96 columns (a partial item).
+#[test]
+fn cuda_delta_ring_kernel_matches_the_cpu_backend() {
+    let Some(cu) = cuda() else { return };
+    cu.set_ring_kernel(Some(RingKernel::Delta))
+        .expect("ring kernel");
+    for state in Dtype::ALL {
+        for layout in [StateLayout::KFirst, StateLayout::VFirst] {
+            for (h, hv, k, v, ring_len, input, seed) in [
+                (3, 3, 128, 128, 4, Dtype::Bf16, 71),
+                (2, 4, 128, 128, 8, Dtype::Fp32, 72),
+                (1, 2, 128, 128, 6, Dtype::Bf16, 73),
+                (2, 2, 64, 96, 5, Dtype::Bf16, 74),
+            ] {
+                let c = Case {
+                    ring_deltas: true,
+                    ..case(h, hv, k, v, state, input, layout, ring_len)
+                };
+                let (d, _) = compare_with_cpu_every(&cu, &c, 20, seed, 0);
+                let (e, _) = compare_with_cpu(&cu, &c, 12, seed + 100);
+                eprintln!(
+                    "{state} {layout:?} H={h} HV={hv} K={k} V={v} {input} inputs ring {ring_len}: outputs within {:.2e} of the CPU's",
+                    d.max(e)
+                );
+            }
+        }
+    }
+    cu.set_ring_kernel(None).expect("ring kernel");
+}
+
 #[test]
 fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation() {
     // every operation, each call reading what the one before it wrote (host copies run between
@@ -901,6 +947,16 @@ fn cuda_back_to_back_decodes_of_the_same_slots_give_the_bits_of_one_call_at_a_ti
         check_back_to_back(&cu, &c, 12, 0, 91 + ring_len as u64);
         eprintln!("{state} ring {ring_len}: 12 back-to-back decodes, equal bits");
     }
+    // kda_ring_delta: each decode reads the delta vectors the one before it stored
+    cu.set_ring_kernel(Some(RingKernel::Delta))
+        .expect("ring kernel");
+    let c = Case {
+        ring_deltas: true,
+        ..gva_case(Dtype::Fp16, 4)
+    };
+    check_back_to_back(&cu, &c, 12, 0, 99);
+    eprintln!("fp16 ring 4, kda_ring_delta: 12 back-to-back decodes, equal bits");
+    cu.set_ring_kernel(None).expect("ring kernel");
 }
 
 #[test]

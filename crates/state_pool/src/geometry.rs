@@ -1,14 +1,18 @@
 //! The geometry of a pool's planes (pure arithmetic, no allocation) and the per-layer view the
 //! kernels operate on.
 //!
-//! Per KDA layer the pool owns four buffers, each indexed by slot (request slots first, then
+//! Per KDA layer the pool owns five buffers, each indexed by slot (request slots first, then
 //! checkpoint slots):
 //! - **ssm**: `[slot][HV][K][V]` (or `[slot][HV][V][K]` for V-first) elements of the state dtype;
 //! - **conv**: `[slot][conv_kernel - 1][conv_channels]` elements of the conv dtype (the kernels
 //!   never touch it; it is sized, zeroed, checkpointed and exported with the slot);
 //! - **ring**: `[slot][ring_len][entry]` elements of the ring (input) dtype, where one entry is a
 //!   token's raw inputs `k [H*K] | v [HV*V] | g [HV*K] | beta [HV]`, in that order;
-//! - **meta**: `[slot]` x [`RingMeta`] (16 bytes), only when `ring_len > 0`.
+//! - **meta**: `[slot]` x [`RingMeta`] (16 bytes), only when `ring_len > 0`;
+//! - **delta**: `[slot][ring_len][HV][V]` f32, only with a ring and `ring_deltas`: the delta vector
+//!   `u = beta (v - k S)` of each ring entry, where a GPU ring kernel stored it (the first
+//!   [`RingMeta::cached`] entries), so it need not replay the pending entries (scratch: never
+//!   checkpointed, exported or compared; the CPU backend does not use it).
 
 use crate::{dtype::Dtype, layout::StateLayout, rounding::Rounding};
 
@@ -27,8 +31,9 @@ pub struct RingMeta {
     pub pending: u32,
     /// Scratch for GPU kernels (an arrival counter); always 0 between calls.
     pub arrive: u32,
-    /// Reserved, 0.
-    pub reserved: u32,
+    /// Ring entries `0..cached` whose delta vectors the delta plane holds (written by the GPU
+    /// kernel `kda_ring_delta`; 0 from every other writer).
+    pub cached: u32,
 }
 
 impl RingMeta {
@@ -66,6 +71,10 @@ pub struct PoolGeometry {
     pub ring_len: usize,
     /// Element type of the ring (the kernels' input dtype).
     pub ring_dtype: Dtype,
+    /// Whether the pool has a delta plane (with a ring): f32 delta vectors of the ring entries
+    /// that let the GPU's ring decode skip the replay of pending entries, at
+    /// [`PoolGeometry::delta_slot_bytes`] more per slot and layer.
+    pub ring_deltas: bool,
     /// Request slots.
     pub slots: usize,
     /// Checkpoint slots (indices `slots..slots + checkpoint_slots`).
@@ -127,9 +136,18 @@ impl PoolGeometry {
             0
         }
     }
-    /// The ring plane per slot and layer as sized: ring data plus bookkeeping.
+    /// Bytes of one slot's delta vectors in one layer: f32 `[ring_len][HV][V]` with
+    /// `ring_deltas`, else 0.
+    pub fn delta_slot_bytes(&self) -> usize {
+        if self.ring_deltas {
+            self.ring_len * self.hv * self.v * 4
+        } else {
+            0
+        }
+    }
+    /// The ring plane per slot and layer as sized: ring data, bookkeeping and delta vectors.
     pub fn ring_plane_slot_bytes(&self) -> usize {
-        self.ring_slot_bytes() + self.meta_slot_bytes()
+        self.ring_slot_bytes() + self.meta_slot_bytes() + self.delta_slot_bytes()
     }
     /// Value heads per q/k head (GVA group size).
     pub fn group(&self) -> usize {
@@ -150,11 +168,13 @@ pub struct LayerMut<'a, B> {
     pub ring: &'a mut B,
     /// The ring bookkeeping plane of this layer (0 bytes without a ring).
     pub meta: &'a mut B,
+    /// The delta plane of this layer (0 bytes without a ring).
+    pub delta: &'a mut B,
     /// Store epoch of this layer: bumped by every state-writing call; keys the stochastic RNG.
     pub epoch: &'a mut u64,
 }
 
-/// The four buffers of one layer, owned. [`crate::StatePool`] holds one per layer; tests and
+/// The five buffers of one layer, owned. [`crate::StatePool`] holds one per layer; tests and
 /// tools that need a single layer can own one directly.
 pub struct LayerPlanes<B> {
     /// Index of the layer in its pool.
@@ -167,6 +187,8 @@ pub struct LayerPlanes<B> {
     pub ring: B,
     /// The ring bookkeeping plane: `total_slots * meta_slot_bytes` bytes.
     pub meta: B,
+    /// The delta plane: `total_slots * delta_slot_bytes` bytes.
+    pub delta: B,
     /// Store epoch (see [`LayerMut::epoch`]).
     pub epoch: u64,
 }
@@ -185,6 +207,7 @@ impl<B> LayerPlanes<B> {
             conv: mem.alloc_zeroed(n * geometry.conv_slot_bytes())?,
             ring: mem.alloc_zeroed(n * geometry.ring_slot_bytes())?,
             meta: mem.alloc_zeroed(n * geometry.meta_slot_bytes())?,
+            delta: mem.alloc_zeroed(n * geometry.delta_slot_bytes())?,
             epoch: 0,
         })
     }
@@ -197,6 +220,7 @@ impl<B> LayerPlanes<B> {
             ssm: &mut self.ssm,
             ring: &mut self.ring,
             meta: &mut self.meta,
+            delta: &mut self.delta,
             epoch: &mut self.epoch,
         }
     }
@@ -212,6 +236,8 @@ pub struct PoolConfig {
     pub ring_len: usize,
     /// Element type of the ring (the kernels' input dtype).
     pub ring_dtype: Dtype,
+    /// Whether the pool keeps the ring entries' delta vectors ([`PoolGeometry::ring_deltas`]).
+    pub ring_deltas: bool,
     /// Request slots (at least 1).
     pub slots: usize,
     /// Checkpoint slots.
@@ -221,12 +247,14 @@ pub struct PoolConfig {
 }
 
 impl Default for PoolConfig {
-    /// fp32 state, no ring (bf16 ring dtype), one slot, no checkpoint slots, nearest-even.
+    /// fp32 state, no ring (bf16 ring dtype, no delta plane), one slot, no checkpoint slots,
+    /// nearest-even.
     fn default() -> Self {
         Self {
             state_dtype: Dtype::Fp32,
             ring_len: 0,
             ring_dtype: Dtype::Bf16,
+            ring_deltas: false,
             slots: 1,
             checkpoint_slots: 0,
             rounding: Rounding::Nearest,
@@ -253,6 +281,7 @@ impl PoolGeometry {
             layout: shape.layout,
             ring_len: config.ring_len,
             ring_dtype: config.ring_dtype,
+            ring_deltas: config.ring_deltas,
             slots: config.slots,
             checkpoint_slots: config.checkpoint_slots,
             rounding: config.rounding,

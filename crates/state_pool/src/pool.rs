@@ -1,8 +1,8 @@
-//! The state pool: per KDA layer, the ssm, conv, ring and meta planes of every slot (request
+//! The state pool: per KDA layer, the ssm, conv, ring, meta and delta planes of every slot (request
 //! slots, then checkpoint slots), owned through a [`DeviceMemory`], and the slot allocators.
 //!
-//! **A fresh slot is zero.** [`StatePool::allocate`] zeroes the slot's ssm, conv, ring and meta
-//! planes in every layer before handing it out, so no kernel needs a has-initial-state flag
+//! **A fresh slot is zero.** [`StatePool::allocate`] zeroes the slot's ssm, conv, ring, meta and
+//! delta planes in every layer before handing it out, so no kernel needs a has-initial-state flag
 //! (the decision recorded in `docs/architecture.md`).
 
 use crate::alloc::{AllocStats, SlotAllocator, SlotHandle, SlotKind};
@@ -10,7 +10,7 @@ use crate::error::{PoolError, Result};
 use crate::geometry::{LayerMut, LayerPlanes, PoolGeometry, RingMeta, RING_META_BYTES};
 use crate::memory::DeviceMemory;
 
-/// One of a layer's four planes.
+/// One of a layer's five planes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Plane {
     /// The recurrent state, `[slot][HV][K][V]` (or V-first) in the state dtype.
@@ -21,11 +21,20 @@ pub enum Plane {
     Ring,
     /// The replay ring's bookkeeping, `[slot]` x [`RingMeta`] (empty without a ring).
     Meta,
+    /// The ring entries' delta vectors, `[slot][ring_len][HV][V]` f32 (empty without a ring;
+    /// GPU kernel scratch described by [`RingMeta::cached`]).
+    Delta,
 }
 
 impl Plane {
     /// All planes.
-    pub const ALL: [Plane; 4] = [Plane::Ssm, Plane::Conv, Plane::Ring, Plane::Meta];
+    pub const ALL: [Plane; 5] = [
+        Plane::Ssm,
+        Plane::Conv,
+        Plane::Ring,
+        Plane::Meta,
+        Plane::Delta,
+    ];
 
     /// Bytes of one slot of this plane in one layer (the plane's slot stride).
     pub fn slot_bytes(self, g: &PoolGeometry) -> usize {
@@ -34,16 +43,18 @@ impl Plane {
             Self::Conv => g.conv_slot_bytes(),
             Self::Ring => g.ring_slot_bytes(),
             Self::Meta => g.meta_slot_bytes(),
+            Self::Delta => g.delta_slot_bytes(),
         }
     }
 
-    /// A short name: `ssm`, `conv`, `ring`, `meta`.
+    /// A short name: `ssm`, `conv`, `ring`, `meta`, `delta`.
     pub fn name(self) -> &'static str {
         match self {
             Self::Ssm => "ssm",
             Self::Conv => "conv",
             Self::Ring => "ring",
             Self::Meta => "meta",
+            Self::Delta => "delta",
         }
     }
 }
@@ -138,7 +149,7 @@ impl<M: DeviceMemory> StatePool<M> {
         Ok(handle)
     }
 
-    /// Zeroes all four planes of `slot` in every layer.
+    /// Zeroes all five planes of `slot` in every layer.
     pub fn zero_slot(&mut self, slot: usize) -> Result<()> {
         self.check_slot(slot)?;
         let g = &self.geometry;
@@ -270,6 +281,7 @@ pub(crate) fn buffer<B>(planes: &LayerPlanes<B>, plane: Plane) -> &B {
         Plane::Conv => &planes.conv,
         Plane::Ring => &planes.ring,
         Plane::Meta => &planes.meta,
+        Plane::Delta => &planes.delta,
     }
 }
 
@@ -279,6 +291,7 @@ pub(crate) fn buffer_mut<B>(planes: &mut LayerPlanes<B>, plane: Plane) -> &mut B
         Plane::Conv => &mut planes.conv,
         Plane::Ring => &mut planes.ring,
         Plane::Meta => &mut planes.meta,
+        Plane::Delta => &mut planes.delta,
     }
 }
 
@@ -305,6 +318,7 @@ pub(crate) mod tests {
             layout: StateLayout::KFirst,
             ring_len,
             ring_dtype: Dtype::Bf16,
+            ring_deltas: false,
             slots: 3,
             checkpoint_slots: 2,
             rounding: Default::default(),

@@ -343,12 +343,19 @@ mod tests {
     }
 
     #[test]
-    fn ring_plane_counts_entries_and_bookkeeping() {
+    fn ring_plane_counts_entries_bookkeeping_and_delta_vectors() {
         let mut g = k3(Dtype::Fp16, 4);
         g.ring_len = 8;
-        // entry = k 12*128 + v 12*128 + g 12*128 + beta 12, bf16; plus 16 B of meta.
+        // entry = k 12*128 + v 12*128 + g 12*128 + beta 12, bf16; 16 B of meta; with a delta
+        // plane per entry an f32 delta vector of 12*128.
         let entry = 3 * 12 * 128 + 12;
         assert_eq!(slot_bytes(&g).ring, 69 * (8 * entry * 2 + 16) as u64);
+        g.ring_deltas = true;
+        let delta = 12 * 128 * 4;
+        assert_eq!(
+            slot_bytes(&g).ring,
+            69 * (8 * entry * 2 + 16 + 8 * delta) as u64
+        );
     }
 
     #[test]
@@ -483,6 +490,7 @@ mod tests {
                         layout: StateLayout::KFirst,
                         ring_len,
                         ring_dtype: ring,
+                        ring_deltas: false,
                         slots,
                         checkpoint_slots: ckpt,
                         rounding: Default::default(),

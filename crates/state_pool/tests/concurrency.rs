@@ -227,6 +227,7 @@ fn small_geometry() -> PoolGeometry {
         layout: StateLayout::KFirst,
         ring_len: 0,
         ring_dtype: Dtype::Bf16,
+        ring_deltas: false,
         slots: 6,
         checkpoint_slots: 4,
         rounding: Default::default(),

@@ -23,6 +23,7 @@ fn geometry(state: Dtype) -> PoolGeometry {
         layout: StateLayout::KFirst,
         ring_len: 0,
         ring_dtype: Dtype::Bf16,
+        ring_deltas: false,
         slots: 3,
         checkpoint_slots: 1,
         rounding: Default::default(),

@@ -45,6 +45,7 @@ pub(crate) fn reborrow<'a>(layer: &'a mut LayerMut<'_, HostBuffer>) -> LayerMut<
         ssm: &mut *layer.ssm,
         ring: &mut *layer.ring,
         meta: &mut *layer.meta,
+        delta: &mut *layer.delta,
         epoch: &mut *layer.epoch,
     }
 }

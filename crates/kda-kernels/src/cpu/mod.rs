@@ -91,7 +91,7 @@ impl CpuBackend {
         out: &mut TensorViewMut<'_, HostBuffer>,
     ) -> Result<()> {
         let g = layer.geometry;
-        check_layer(&HOST, g, layer.ssm, layer.ring, layer.meta)?;
+        check_layer(&HOST, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
         let metas = batch_metas(layer, plan)?;
         let accepted = accepted
             .map(|a| accepted_counts(a, plan.num_seqs()))
@@ -209,7 +209,7 @@ impl Backend for CpuBackend {
         layer: &mut LayerMut<'_, HostBuffer>,
     ) -> Result<()> {
         let g = layer.geometry;
-        check_layer(&HOST, g, layer.ssm, layer.ring, layer.meta)?;
+        check_layer(&HOST, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
         let metas = batch_metas(layer, batch)?;
         let accepted = accepted
             .map(|a| accepted_counts(a, batch.num_seqs()))

@@ -125,6 +125,7 @@ pub fn check_layer<M: DeviceMemory>(
     ssm: &M::Buffer,
     ring: &M::Buffer,
     meta: &M::Buffer,
+    delta: &M::Buffer,
 ) -> Result<()> {
     let g = geometry;
     if g.h == 0 || g.hv == 0 || g.k == 0 || g.v == 0 || !g.hv.is_multiple_of(g.h) {
@@ -141,6 +142,7 @@ pub fn check_layer<M: DeviceMemory>(
         ("ssm plane", ssm, n * g.ssm_slot_bytes()),
         ("ring plane", ring, n * g.ring_slot_bytes()),
         ("meta plane", meta, n * g.meta_slot_bytes()),
+        ("delta plane", delta, n * g.delta_slot_bytes()),
     ] {
         let got = mem.len(buf);
         if got != want {

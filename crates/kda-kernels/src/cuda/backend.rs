@@ -439,10 +439,12 @@ struct RingShape {
     heads: usize,
     /// Whether the pool rounds stochastically (`kda_ring` stores with nearest rounding only).
     stochastic: bool,
+    /// Whether the pool has a delta plane (`kda_ring_delta` needs one).
+    deltas: bool,
     smem_optin: usize,
 }
 
-/// A launch of `kda_ring`, `kda_ring_tile` or `kda_ring_mma`.
+/// A launch of `kda_ring`, `kda_ring_tile`, `kda_ring_mma` or `kda_ring_delta`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RingPlan {
     /// Which of them (never [`RingKernel::Step`]).
@@ -471,13 +473,15 @@ fn ring_item_columns(k: usize) -> usize {
     (RING_THREADS / 32) * warp_columns(k)
 }
 
-/// The launch of `kernel` (`kda_ring`, `kda_ring_tile` or `kda_ring_mma`), or `None` where the
-/// call does not fit it (stochastic rounding, tiles that are not whole 16-byte copies, token rows
-/// that are not whole 4-byte copies, too many tokens per item, too much shared memory; for
-/// `kda_ring_mma` also K other than 128 or value heads that are not whole 128-column items):
-/// then `kda_step` runs. Mirrors `RingLayout`, `RingTileLayout`, `MmaLayout` and the constants of
-/// `kernels/kda_ring.cu` and `kernels/kda_ring_mma.cu` (an item of each kernel is eight warps of
-/// `kda_step`'s lane mapping).
+/// The launch of `kernel` (`kda_ring`, `kda_ring_tile`, `kda_ring_mma` or `kda_ring_delta`), or
+/// `None` where the call does not fit it (stochastic rounding, tiles that are not whole 16-byte
+/// copies, token rows that are not whole 4-byte copies, too many tokens per item, too much shared
+/// memory; for `kda_ring_mma` also K other than 128 or value heads that are not whole 128-column
+/// items; for `kda_ring_delta` a pool without a delta plane, more than one new token per
+/// sequence or V not a multiple of 4): then `kda_step` runs. Mirrors `RingLayout`,
+/// `RingTileLayout`, `MmaLayout`, `DeltaLayout` and the constants of `kernels/kda_ring.cu`,
+/// `kernels/kda_ring_mma.cu` and `kernels/kda_ring_delta.cu` (an item of each kernel is eight
+/// warps of `kda_step`'s lane mapping).
 fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = ring_item_columns(s.k);
@@ -491,6 +495,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         || mt > RING_MAX_TOKENS
         || (kernel == RingKernel::Mma
             && (s.k != MMA_ITEM || cw != MMA_ITEM || !s.v.is_multiple_of(MMA_ITEM)))
+        || (kernel == RingKernel::Delta && (!s.deltas || s.max_new > 1 || !s.v.is_multiple_of(4)))
     {
         return None;
     }
@@ -510,6 +515,12 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let rows = mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
     let smem = match kernel {
         RingKernel::Tile => rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt),
+        RingKernel::Delta => {
+            // Tile's, then the delta vectors and R k rows of up to MTC tokens, P k, P q and P,
+            // the pair sums and q . k
+            let (m, floats) = (RING_MAX_TOKENS, RING_MAX_TOKENS * (cw + ks) + 3 * ks);
+            rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt) + 4 * (floats + 2 * m) + 16
+        }
         RingKernel::Mma => {
             // keys and queries, decays (rows of K + 4 floats); the pair matrices, betas, P; the
             // tile (rows of 128 elements + 16 bytes)
@@ -574,6 +585,13 @@ const MMA_SPEC_FROM: usize = 384;
 /// See [`MMA_SPEC_FROM`].
 const MMA_SPEC_MIN_NEW: usize = 4;
 
+/// Whether a call of `op` is one `kda_ring_delta` runs by default (where it fits): ring decode
+/// on a pool with a delta plane, where it measured 4-12% faster than `kda_ring` at 768-8192
+/// items (H200, fp32 and fp16, docs/performance.md, twenty-fourth session).
+fn delta_default(s: &RingShape, op: Op) -> bool {
+    s.deltas && op == Op::Decode
+}
+
 /// Whether a call of `op` of `items` items is one `kda_ring_mma` runs by default (where it fits).
 fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
     op == Op::SpecVerify
@@ -592,6 +610,11 @@ fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
 /// eighteenth and nineteenth sessions).
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
     let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
+    if forced.is_none() && delta_default(s, op) {
+        if let Some(p) = ring_plan(s, RingKernel::Delta) {
+            return Some(p);
+        }
+    }
     if forced.is_none() && mma_spec(s, op, items) {
         if let Some(p) = ring_plan(s, RingKernel::Mma) {
             return Some(p);
@@ -914,7 +937,7 @@ impl CudaBackend {
         let g = layer.geometry;
         let plan = &call.batch.plan;
         let n = plan.num_seqs();
-        check_layer(&self.mem, g, layer.ssm, layer.ring, layer.meta)?;
+        check_layer(&self.mem, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
         if let Some((dtype, len, buf)) = call.out_shape {
             if buf < len * dtype.size() {
                 return Err(KernelError::arg(
@@ -1041,6 +1064,7 @@ impl CudaBackend {
                 max_new: (0..n).map(|i| plan.len_of(i)).max().unwrap_or(0),
                 heads: n * g.hv,
                 stochastic: sr == 1,
+                deltas: g.ring_deltas,
                 smem_optin: self.smem_optin,
             };
             ring_choice(&shape, call.op, *self.ring_kernel.lock())
@@ -1139,6 +1163,7 @@ impl CudaBackend {
             ssm: ptr(layer.ssm),
             ring: ptr(layer.ring),
             meta: ptr(layer.meta),
+            delta: ptr(layer.delta),
             bounds: ptr(&call.batch.bounds),
             slots: ptr(&call.batch.slots),
             accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
@@ -1796,6 +1821,7 @@ mod tests {
             // 12 heads, 64 sequences
             heads: 768,
             stochastic: false,
+            deltas: false,
             smem_optin: 227 * 1024,
         }
     }

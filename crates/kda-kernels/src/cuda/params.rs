@@ -38,6 +38,7 @@ pub(crate) struct KdaParams {
     pub ssm: u64,
     pub ring: u64,
     pub meta: u64,
+    pub delta: u64,
     pub bounds: u64,
     pub slots: u64,
     pub accepted: u64,
@@ -81,7 +82,7 @@ pub(crate) struct KdaParams {
     pub div_grp: FastDiv,
 }
 
-const _: () = assert!(std::mem::size_of::<KdaParams>() == 15 * 8 + 30 * 4);
+const _: () = assert!(std::mem::size_of::<KdaParams>() == 16 * 8 + 30 * 4);
 
 /// Division of a `u32` by a divisor fixed for a launch as a multiply-high, an add and a shift
 /// (`struct KdaDiv` and `kda_div` in `kernels/kda_decode.cu`): for `d >= 1`, `s = ceil(log2

@@ -23,6 +23,7 @@ const COMMON: &str = include_str!("../../../../kernels/kda_common.cuh");
 const DECODE: &str = include_str!("../../../../kernels/kda_decode.cu");
 const RING: &str = include_str!("../../../../kernels/kda_ring.cu");
 const RING_MMA: &str = include_str!("../../../../kernels/kda_ring_mma.cu");
+const RING_DELTA: &str = include_str!("../../../../kernels/kda_ring_delta.cu");
 const FILL: &str = include_str!("../../../../kernels/kda_fill.cu");
 
 /// What a `kda_step` module is specialised on.
@@ -61,6 +62,7 @@ enum Key {
     Ring(StepKey),
     RingTile(StepKey),
     RingMma(StepKey),
+    RingDelta(StepKey),
     Fill,
     Copy,
 }
@@ -80,6 +82,7 @@ impl Key {
             Key::Ring(_) => "kda_ring",
             Key::RingTile(_) => "kda_ring_tile",
             Key::RingMma(_) => "kda_ring_mma",
+            Key::RingDelta(_) => "kda_ring_delta",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -98,13 +101,14 @@ impl Key {
             | Key::EagerTileStream(k)
             | Key::Ring(k)
             | Key::RingTile(k)
-            | Key::RingMma(k) => ModuleKey::Step(k),
+            | Key::RingMma(k)
+            | Key::RingDelta(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (eleven kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (twelve kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -113,7 +117,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 11] {
+fn step_module(k: StepKey) -> [Key; 12] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -126,6 +130,7 @@ fn step_module(k: StepKey) -> [Key; 11] {
         Key::Ring(k),
         Key::RingTile(k),
         Key::RingMma(k),
+        Key::RingDelta(k),
     ]
 }
 
@@ -176,7 +181,10 @@ pub(crate) fn step_source(key: &StepKey) -> String {
         key.v,
         u8::from(key.layout == StateLayout::VFirst)
     );
-    source(&defines, &format!("{DECODE}\n{RING}\n{RING_MMA}"))
+    source(
+        &defines,
+        &format!("{DECODE}\n{RING}\n{RING_MMA}\n{RING_DELTA}"),
+    )
 }
 
 fn unavailable(reason: String) -> KernelError {
@@ -369,16 +377,17 @@ pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 }
 
 /// A one-item-per-CTA ring kernel specialised on `key` (same module as `kda_step`), compiled on
-/// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], else `kda_ring_tile`.
+/// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], `kda_ring_delta` for
+/// [`RingKernel::Delta`], else `kda_ring_tile`.
 pub(crate) fn ring_tile_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
     kernel: RingKernel,
 ) -> Result<(CudaFunction, &'static str)> {
-    let k = if kernel == RingKernel::Mma {
-        Key::RingMma(key)
-    } else {
-        Key::RingTile(key)
+    let k = match kernel {
+        RingKernel::Mma => Key::RingMma(key),
+        RingKernel::Delta => Key::RingDelta(key),
+        _ => Key::RingTile(key),
     };
     Ok((get(ctx, k)?, k.entry()))
 }
@@ -453,7 +462,8 @@ mod tests {
                 "kda_eager_tile_stream",
                 "kda_ring",
                 "kda_ring_tile",
-                "kda_ring_mma"
+                "kda_ring_mma",
+                "kda_ring_delta"
             ]
         );
     }

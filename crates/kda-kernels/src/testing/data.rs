@@ -35,6 +35,8 @@ pub struct Case {
     pub layout: StateLayout,
     /// Replay-ring length (0: eager).
     pub ring_len: usize,
+    /// Whether the pool has a delta plane (`PoolGeometry::ring_deltas`).
+    pub ring_deltas: bool,
     /// Rounding of 2-byte state stores.
     pub rounding: Rounding,
     /// Options of every call.
@@ -43,7 +45,7 @@ pub struct Case {
 
 impl Case {
     /// A case with dims `h, hv, k, v`, one sequence of 5 tokens in slot 1 of 3, an fp32 pool
-    /// and fp32 inputs, K-first, no ring, q/k l2norm and both activations in the kernel.
+    /// and fp32 inputs, K-first, no ring (and no delta plane), q/k l2norm and both activations in the kernel.
     pub fn new(h: usize, hv: usize, k: usize, v: usize) -> Self {
         Self {
             h,
@@ -57,6 +59,7 @@ impl Case {
             input_dtype: Dtype::Fp32,
             layout: StateLayout::KFirst,
             ring_len: 0,
+            ring_deltas: false,
             rounding: Rounding::Nearest,
             opts: KdaOptions {
                 scale: None,
@@ -114,6 +117,7 @@ impl Case {
             layout: self.layout,
             ring_len: self.ring_len,
             ring_dtype: self.input_dtype,
+            ring_deltas: self.ring_deltas,
             slots: self.total_slots,
             checkpoint_slots: 0,
             rounding: self.rounding,

@@ -124,12 +124,14 @@ pub struct Snapshot {
     pub ring: Vec<u8>,
     /// The ring bookkeeping plane.
     pub meta: Vec<u8>,
+    /// The delta plane.
+    pub delta: Vec<u8>,
     /// The store epoch.
     pub epoch: u64,
 }
 
 impl Snapshot {
-    /// Asserts that `slot`'s ssm, ring and meta bytes are the same in both snapshots.
+    /// Asserts that `slot`'s ssm, ring, meta and delta bytes are the same in both snapshots.
     pub fn assert_slot_unchanged(
         &self,
         after: &Snapshot,
@@ -141,6 +143,7 @@ impl Snapshot {
             ("ssm", &self.ssm, &after.ssm, g.ssm_slot_bytes()),
             ("ring", &self.ring, &after.ring, g.ring_slot_bytes()),
             ("meta", &self.meta, &after.meta, g.meta_slot_bytes()),
+            ("delta", &self.delta, &after.delta, g.delta_slot_bytes()),
         ] {
             let r = slot * per..(slot + 1) * per;
             assert!(
@@ -176,7 +179,7 @@ impl<Bf> TestLayer<Bf> {
         self.planes.epoch
     }
 
-    /// Fills the ssm, ring and meta bytes of every slot not in `keep`, and the whole conv
+    /// Fills the ssm, ring, meta and delta bytes of every slot not in `keep`, and the whole conv
     /// plane, with random bytes.
     pub fn poison<M: DeviceMemory<Buffer = Bf>>(
         &mut self,
@@ -194,6 +197,7 @@ impl<Bf> TestLayer<Bf> {
                 (&mut p.ssm, g.ssm_slot_bytes()),
                 (&mut p.ring, g.ring_slot_bytes()),
                 (&mut p.meta, g.meta_slot_bytes()),
+                (&mut p.delta, g.delta_slot_bytes()),
             ] {
                 let bytes: Vec<u8> = (0..per).map(|_| rng.random()).collect();
                 mem.write(buf, slot * per, &bytes)?;
@@ -296,6 +300,7 @@ impl<Bf> TestLayer<Bf> {
             conv: all(&p.conv)?,
             ring: all(&p.ring)?,
             meta: all(&p.meta)?,
+            delta: all(&p.delta)?,
             epoch: p.epoch,
         })
     }

@@ -1,0 +1,286 @@
+// Ring decode over stored delta vectors (kda_ring_delta): kda_ring_tile's items (sequence, value
+// head, block of RCW columns), one per CTA, its lane mapping, tile in registers and row copies;
+// what differs is that an item does not replay its pending entries. Every entry this kernel
+// appends leaves its delta vector u_j = beta_j (v_j - (diag(d_j) S_{j-1})^T k_j) (f32, [HV][V]
+// per entry) in the pool's delta plane, and the ring record counts the entries whose vectors are
+// there (RingMeta::cached; every other kernel writes 0). With S the committed state (the tile),
+// decays d_t, P_t = d_0 ... d_t and R_tj = d_{j+1} ... d_t (products of decays, never quotients)
+// the state after the pending entries 0 .. t-1 is
+//   S_{t-1} = diag(P_{t-1}) S + sum_{j<t} (R_{t-1,j} k_j) u_j^T,
+// so the new token t needs only two products with the tile, which is read and never written:
+//   u_t = beta_t (v_t - S^T (P_t k_t) - sum_{j<t} c_j u_j),   c_j = sum_k k_t R_tj k_j,
+//   o_t = S^T (P_t q_t) + sum_{j<t} e_j u_j + (q_t . k_t) u_t,   e_j = sum_k q_t R_tj k_j,
+// two multiply-adds per element instead of kda_ring_tile's four per pending entry and token
+// plus a reduction each. A commit is the rank-pend update above, rounded to nearest once. An
+// item whose pending entries lack stored vectors (another kernel appended them) replays them
+// with kda_step's token step, as kda_ring_tile does, and stores their vectors on the way, so
+// the next call takes the short path. One new token per sequence (decode, or spec_verify with
+// one draft) or none (replay); the host checks. Nearest rounding only, as kda_ring_tile.
+// The f32 arithmetic differs from kda_step's order on the short path, so the bits do too.
+#include "kda_ring.cu"
+
+namespace kda {
+
+// Byte offsets in dynamic shared memory past RingTileLayout's (mirrored by `ring_plan` in
+// backend.rs): f32 arrays ua [MTC][RCW] (the delta vectors of the item's columns, by combined
+// token), ek [MTC][KS] (R k rows), kp, qp, pm [KS] (P_t k_t, P_t q_t, P at a commit), ce [2][MTC]
+// (c_j, e_j) and qk (q_t . k_t).
+struct DeltaLayout {
+    int ua, ek, kp, qp, pm, ce, qk;
+    __device__ __forceinline__ DeltaLayout(const RingTileLayout& L, int mt) {
+        ua = L.sbeta + round16(4 * mt);
+        ek = ua + 4 * MTC * RCW;
+        kp = ek + 4 * MTC * KS;
+        qp = kp + 4 * KS;
+        pm = qp + 4 * KS;
+        ce = pm + 4 * KS;
+        qk = ce + 4 * 2 * MTC; // then 16 bytes: the end
+    }
+};
+
+// The delta vectors of entry e of a slot's ring, value head hv, from column cb.
+__device__ __forceinline__ float* delta_row(const KdaParams& p, kda_u32 slot, kda_u32 e, int hv, int cb) {
+    return reinterpret_cast<float*>(p.delta) + (((size_t)slot * p.ring_len + e) * p.hv + (size_t)hv) * V + cb;
+}
+
+// Stores a lane's TV delta values of columns col0l.. (of cwv) at dst (16-byte aligned when whole).
+__device__ __forceinline__ void store_delta(float* dst, const float (&u)[TV], int col0l, int cwv) {
+    if (TV == 4 && col0l + TV <= cwv) {
+        *reinterpret_cast<float4*>(dst) = make_float4(u[0], u[1], u[2], u[3]);
+    } else {
+#pragma unroll
+        for (int c = 0; c < TV; ++c)
+            if (col0l + c < cwv) dst[c] = u[c];
+    }
+}
+
+} // namespace kda
+
+extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
+    using namespace kda;
+    extern __shared__ __align__(16) unsigned char dsm[];
+    __shared__ Plan s_plan;
+    __shared__ float s_aexp;
+    __shared__ kda_u32 s_last, s_cached;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lk = lane / LV, lv = lane % LV;
+    TileItem it = tile_item_begin(p);
+    const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
+    const DeltaLayout D(L, (int)p.ring_mt);
+    const int mq = (int)p.ring_mq;
+    tile_item_plan(p, it, s_plan, s_aexp);
+    if (threadIdx.x == 64) s_cached = reinterpret_cast<const volatile kda_u32*>(it.meta)[3];
+    const kda_u32 per_seq = it.per_seq, slot = it.slot, bos = it.bos, nnew = it.nnew;
+    const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h, group = it.group;
+    kda_u32* meta = it.meta;
+
+    // the tile's loads
+    ST* head = state_head(p, slot, (size_t)hv);
+    const int col0l = warp * WC + lv * TV, col0 = cb + col0l;
+    float s[TK][TV];
+    kda_u32 w[TW];
+    if constexpr (TILE_WORDS) {
+        load_tile_words(head, lk, col0l < cwv ? col0 : V, w);
+    } else {
+        load_tile(head, lk, col0l < cwv ? col0 : V, s);
+    }
+    const int gran = (int)p.ring_gran;
+    tile_new_rows(dsm, L, p, bos, nnew, h, hv, cb, cwv, gran);
+    cp_async_commit();
+    __syncthreads();
+    const Plan pl = s_plan;
+    const int pend = (int)pl.pend, ntok = pend + (int)nnew;
+    const bool store = pl.store_after != KDA_NONE;
+    const bool work = nnew > 0 || store;
+    // the pending entries whose delta vectors are stored (accepted drafts are among them when
+    // this kernel verified them)
+    const int have = (int)min(s_cached, (kda_u32)pend);
+    const bool fast = have == pend;
+    const size_t entry = ring_entry_elems(p);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    float* ua = reinterpret_cast<float*>(dsm + D.ua);
+    if (work) {
+        // the stored vectors join tile_pending_rows' copy group
+        const int ugran = cwv % 4 == 0 ? 16 : 4;
+        for (int j = warp; j < have; j += RT / 32)
+            copy_row(reinterpret_cast<unsigned char*>(ua + j * RCW), delta_row(p, slot, (kda_u32)j, hv, cb), 4 * cwv,
+                     ugran, lane);
+        tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    const kda_u32 old = tile_arrive(meta);
+    if (work) {
+        float* ka = reinterpret_cast<float*>(dsm + L.ka);
+        float* da = reinterpret_cast<float*>(dsm + L.da);
+        float* qa = reinterpret_cast<float*>(dsm + L.qa);
+        float* va = reinterpret_cast<float*>(dsm + L.va);
+        const float* bias = reinterpret_cast<const float*>(dsm + L.bias);
+        const float a_exp = s_aexp;
+        auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
+        // activations as kda_ring_tile's
+        for (int u = warp; u < ntok + (int)nnew; u += RT / 32) {
+            if (u < ntok) {
+                act_row(reinterpret_cast<const IT*>(raw(u)), ka + u * KS, p.l2norm != 0u, false, p.scale, lane);
+                for (int kk = K + lane; kk < KS; kk += 32) ka[u * KS + kk] = 0.0f;
+            } else {
+                const int f = u - ntok;
+                act_row(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true,
+                        p.scale, lane);
+                for (int kk = K + lane; kk < KS; kk += 32) qa[f * KS + kk] = 0.0f;
+            }
+        }
+        for (int i = (int)threadIdx.x; i < ntok * KS; i += RT) {
+            const int t = i / KS, kk = i - t * KS;
+            da[i] = kk < K ? decay_of(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
+        }
+        for (int i = (int)threadIdx.x; i < ntok * RCW; i += RT) {
+            const int t = i / RCW, c = i - t * RCW;
+            va[i] = c < cwv ? kda_load(reinterpret_cast<const IT*>(raw(t) + 2 * RK)[c]) : 0.0f;
+        }
+        __syncthreads();
+        if constexpr (TILE_WORDS) tile_from_words(w, s);
+        const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
+        const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+        float o[TV];
+        if (!fast) {
+            // the long path: the pending entries replayed (kda_ring_tile's), their missing vectors
+            // stored unless a commit restarts the ring
+            for (int t = 0; t < pend; ++t) {
+                float uo[TV];
+                token_step<true, true>(s, ka + t * KS, da + t * KS, qa, va + t * RCW + col0l, cwv - col0l, sbeta[t],
+                                       lk, false, o, uo);
+                if (!store && t >= have && lk == 0 && col0l < cwv)
+                    store_delta(delta_row(p, slot, (kda_u32)t, hv, col0), uo, col0l, cwv);
+            }
+            if (store && pend > 0 && col0l < cwv) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
+        }
+        // the pending entries still in the tile's frame: 0 .. pend on the short path without a commit
+        const int base = (fast && !store) ? 0 : pend;
+        const bool fold = fast && store && pend > 0;
+        float* ek = reinterpret_cast<float*>(dsm + D.ek);
+        float* kp = reinterpret_cast<float*>(dsm + D.kp);
+        float* qp = reinterpret_cast<float*>(dsm + D.qp);
+        float* pm = reinterpret_cast<float*>(dsm + D.pm);
+        float* ce = reinterpret_cast<float*>(dsm + D.ce);
+        float* qk = reinterpret_cast<float*>(dsm + D.qk);
+        // a thread per k: at a short-path commit R_{pend-1,j} k_j into ek and P_{pend-1} into pm;
+        // for the new token R_tj k_j (j in the frame) into ek, P_t k_t and P_t q_t into kp, qp
+        for (int k = (int)threadIdx.x; k < KS; k += RT) {
+            if (k >= K) {
+                kp[k] = qp[k] = pm[k] = 0.0f;
+                continue;
+            }
+            if (fold) {
+                float r = 1.0f;
+                for (int j = pend - 1; j >= 0; --j) {
+                    ek[j * KS + k] = r * ka[j * KS + k];
+                    r *= da[j * KS + k];
+                }
+                pm[k] = r;
+            }
+            if (nnew > 0) {
+                const int t = pend;
+                float r = da[t * KS + k];
+                for (int j = t - 1; j >= base; --j) {
+                    ek[j * KS + k] = r * ka[j * KS + k];
+                    r *= da[j * KS + k];
+                }
+                kp[k] = r * ka[t * KS + k];
+                qp[k] = r * qa[k];
+            }
+        }
+        __syncthreads();
+        if (nnew > 0) {
+            // c_j and e_j a warp per j of the frame; q_t . k_t by the next warp
+            const int t = pend;
+            for (int j = base + warp; j <= t; j += RT / 32) {
+                float pc = 0.0f, pe = 0.0f;
+                for (int k = lane; k < K; k += 32) {
+                    const float x = j < t ? ek[j * KS + k] : ka[t * KS + k];
+                    pc = fmaf(ka[t * KS + k], x, pc);
+                    pe = fmaf(qa[k], x, pe);
+                }
+                pc = warp_sum(pc);
+                pe = warp_sum(pe);
+                if (lane == 0) {
+                    if (j < t) {
+                        ce[j] = pc;
+                        ce[MTC + j] = pe;
+                    } else {
+                        qk[0] = pe;
+                    }
+                }
+            }
+        }
+        if (fold) {
+            // the commit: diag(P) S + sum_j (R k_j) u_j^T, rounded once
+            float pv[TK];
+            rows_from_smem(pm, lk, pv);
+#pragma unroll
+            for (int r = 0; r < TK; ++r)
+#pragma unroll
+                for (int c = 0; c < TV; ++c) s[r][c] *= pv[r];
+            for (int j = 0; j < pend; ++j) {
+                float ev[TK];
+                rows_from_smem(ek + j * KS, lk, ev);
+                const float4 u4 = *reinterpret_cast<const float4*>(ua + j * RCW + col0l);
+                const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+                for (int r = 0; r < TK; ++r)
+#pragma unroll
+                    for (int c = 0; c < TV; ++c) s[r][c] = fmaf(ev[r], uv[c % 4], s[r][c]);
+            }
+            if (col0l < cwv) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
+        }
+        __syncthreads();
+        if (nnew > 0) {
+            // the new token: two products with the tile (frame S), then its vector and output
+            const int t = pend;
+            float ak[TV], aq[TV];
+            {
+                float kv[TK], qv[TK];
+                rows_from_smem(kp, lk, kv);
+                rows_from_smem(qp, lk, qv);
+#pragma unroll
+                for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
+#pragma unroll
+                for (int r = 0; r < TK; ++r)
+#pragma unroll
+                    for (int c = 0; c < TV; ++c) {
+                        ak[c] = fmaf(kv[r], s[r][c], ak[c]);
+                        aq[c] = fmaf(qv[r], s[r][c], aq[c]);
+                    }
+            }
+            reduce_k(ak);
+            reduce_k(aq);
+            for (int j = base; j < t; ++j) {
+                const float4 u4 = *reinterpret_cast<const float4*>(ua + j * RCW + col0l);
+                const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
+                const float cj = ce[j], ej = ce[MTC + j];
+#pragma unroll
+                for (int c = 0; c < TV; ++c) {
+                    ak[c] = fmaf(cj, uv[c % 4], ak[c]);
+                    aq[c] = fmaf(ej, uv[c % 4], aq[c]);
+                }
+            }
+            const float bt = sbeta[t], qkt = qk[0];
+            float u[TV];
+#pragma unroll
+            for (int c = 0; c < TV; ++c) {
+                const float vv = col0l + c < cwv ? va[t * RCW + col0l + c] : 0.0f;
+                u[c] = bt * (vv - ak[c]);
+                o[c] = fmaf(qkt, u[c], aq[c]);
+            }
+            if (lk == 0 && col0l < cwv) {
+                store_out(reinterpret_cast<IT*>(p.out) + ((size_t)bos * p.hv + hv) * V + col0, o, col0);
+                if (pl.append_at != KDA_NONE) store_delta(delta_row(p, slot, pl.append_at, hv, col0), u, col0l, cwv);
+            }
+        }
+        if (!store && pl.append_at != KDA_NONE && nnew > 0)
+            tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry);
+    }
+    // every entry the ring keeps has its vector when the item worked; else those it had
+    const kda_u32 cached = work ? pl.new_len : min(s_cached, pl.new_len);
+    tile_settle(p, pl, old, per_seq, store, meta, slot, bos, nnew, s_last, cached);
+}
