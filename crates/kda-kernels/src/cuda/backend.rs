@@ -586,10 +586,12 @@ const MMA_SPEC_FROM: usize = 384;
 const MMA_SPEC_MIN_NEW: usize = 4;
 
 /// Whether a call of `op` is one `kda_ring_delta` runs by default (where it fits): ring decode
-/// on a pool with a delta plane, where it measured 4-12% faster than `kda_ring` at 768-8192
-/// items (H200, fp32 and fp16, docs/performance.md, twenty-fourth session).
+/// and spec_verify of one draft on a pool with a delta plane. On the H200 (docs/performance.md,
+/// twenty-fourth session) ring decode measured 3-12% faster than the kernel chosen before at
+/// 12-8192 items, every pool dtype; spec_verify of one draft 5-13% faster but for fp16 at 768
+/// items (1.5% slower).
 fn delta_default(s: &RingShape, op: Op) -> bool {
-    s.deltas && op == Op::Decode
+    s.deltas && (op == Op::Decode || (op == Op::SpecVerify && s.max_new <= 1))
 }
 
 /// Whether a call of `op` of `items` items is one `kda_ring_mma` runs by default (where it fits).
@@ -1864,6 +1866,50 @@ mod tests {
         assert!(two_per_sm(p), "{} bytes", p.smem);
         let p = ring_plan(&ring_shape(2, 10, 4), RingKernel::Mma).unwrap();
         assert!(3 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
+    }
+
+    #[test]
+    fn ring_choice_takes_the_delta_kernel_for_one_token_calls_on_pools_with_a_delta_plane() {
+        for (op, max_new) in [(Op::Decode, 1), (Op::SpecVerify, 1), (Op::SpecVerify, 0)] {
+            for state_size in [4, 2] {
+                let mut s = ring_shape(state_size, 8, max_new);
+                let kernel = |s: &RingShape| ring_choice(s, op, None).map(|p| p.kernel);
+                assert_ne!(kernel(&s), Some(RingKernel::Delta), "{op:?}: no plane");
+                s.deltas = true;
+                assert_eq!(kernel(&s), Some(RingKernel::Delta), "{op:?}, {state_size}");
+                // small calls too
+                s.heads = 12;
+                assert_eq!(kernel(&s), Some(RingKernel::Delta), "{op:?}, 12 heads");
+            }
+        }
+        // never for two or more new tokens, for replay, or where it cannot run
+        let mut s = ring_shape(2, 8, 2);
+        s.deltas = true;
+        assert_ne!(
+            ring_choice(&s, Op::SpecVerify, None).map(|p| p.kernel),
+            Some(RingKernel::Delta)
+        );
+        assert_eq!(ring_plan(&s, RingKernel::Delta), None, "two new tokens");
+        let mut s = ring_shape(2, 8, 0);
+        s.deltas = true;
+        assert_ne!(
+            ring_choice(&s, Op::Replay, None).map(|p| p.kernel),
+            Some(RingKernel::Delta)
+        );
+        for (stochastic, v) in [(true, 128), (false, 126)] {
+            let mut s = ring_shape(2, 8, 1);
+            (s.deltas, s.stochastic, s.v) = (true, stochastic, v);
+            assert_eq!(
+                ring_plan(&s, RingKernel::Delta),
+                None,
+                "{stochastic}, V = {v}"
+            );
+        }
+        // two CTAs of kda_ring_delta per SM, fp32 included (its launch bounds)
+        let mut s = ring_shape(4, 15, 1);
+        s.deltas = true;
+        let p = ring_plan(&s, RingKernel::Delta).expect("ring 15: 16 tokens");
+        assert!(2 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
     }
 
     #[test]
