@@ -252,6 +252,10 @@ fn spec_tokens_size_a_ring() {
         &[],
     );
     assert_eq!(
+        (&j["ring_deltas"], &d["ring_deltas"]),
+        (&false.into(), &true.into())
+    );
+    assert_eq!(
         d["per_slot_bytes"]["ring"],
         69 * (8 * (3 * 12 * 128 + 12) * 2 + 16 + 8 * 12 * 128 * 4)
     );

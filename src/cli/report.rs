@@ -222,8 +222,15 @@ fn render_text(m: &ModelSummary, source: &DtypeSource, r: &SizingReport) -> Stri
     let _ = writeln!(out, "layout id    {}", r.layout_id);
     let _ = writeln!(
         out,
-        "slots        {} request + {} checkpoint, ring {} tokens",
-        r.slots, r.checkpoint_slots, r.ring_len
+        "slots        {} request + {} checkpoint, ring {} tokens{}",
+        r.slots,
+        r.checkpoint_slots,
+        r.ring_len,
+        if r.ring_deltas {
+            " (with a delta plane)"
+        } else {
+            ""
+        }
     );
     let _ = writeln!(out);
     let _ = writeln!(out, "{:<22}{:>14}{:>14}", "", chosen, "fp32 (base)");

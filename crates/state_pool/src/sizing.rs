@@ -3,7 +3,7 @@
 //! Per slot, summed over the KDA layers: the ssm plane (`HV x K x V` in the state dtype), the
 //! conv plane (`(conv_kernel - 1) x conv_channels` in the conv dtype) and the replay ring
 //! (`ring_len` entries of raw inputs in the ring dtype, plus 16 bytes of bookkeeping when
-//! `ring_len > 0`). A pool holds request plus checkpoint slots. Given a cache budget (KV and
+//! `ring_len > 0`, plus the entries' f32 delta vectors with a delta plane). A pool holds request plus checkpoint slots. Given a cache budget (KV and
 //! state together) and the KV geometry, the KV cache gets what the pool leaves; comparing with an
 //! fp32 pool gives the blocks a narrower state dtype hands to the KV cache.
 
@@ -253,6 +253,8 @@ pub struct SizingReport {
     pub checkpoint_slots: usize,
     /// Ring length in tokens.
     pub ring_len: usize,
+    /// Whether the pool has a delta plane (counted in the ring bytes).
+    pub ring_deltas: bool,
     /// Bytes of one slot by plane.
     pub per_slot_bytes: PlaneBytes,
     /// Bytes of the pool (request + checkpoint slots).
@@ -278,6 +280,7 @@ impl SizingReport {
             slots: g.slots,
             checkpoint_slots: g.checkpoint_slots,
             ring_len: g.ring_len,
+            ring_deltas: g.ring_deltas && g.ring_len > 0,
             per_slot_bytes: slot_bytes(g),
             pool_bytes: pool_bytes(g),
             baseline: Baseline {

@@ -588,8 +588,8 @@ const MMA_SPEC_MIN_NEW: usize = 4;
 /// Whether a call of `op` is one `kda_ring_delta` runs by default (where it fits): ring decode
 /// and spec_verify of one draft on a pool with a delta plane. On the H200 (docs/performance.md,
 /// twenty-fourth session) ring decode measured 3-12% faster than the kernel chosen before at
-/// 12-8192 items, every pool dtype; spec_verify of one draft 5-13% faster but for fp16 at 768
-/// items (1.5% slower).
+/// 12-8192 items, every pool dtype; spec_verify of one draft 6-21% faster than `kda_ring` at
+/// 12-32 and 2048-8192 items, 1.5% (fp16) and 3.5% (fp32) slower at 768.
 fn delta_default(s: &RingShape, op: Op) -> bool {
     s.deltas && (op == Op::Decode || (op == Op::SpecVerify && s.max_new <= 1))
 }
