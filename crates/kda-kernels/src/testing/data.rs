@@ -45,7 +45,8 @@ pub struct Case {
 
 impl Case {
     /// A case with dims `h, hv, k, v`, one sequence of 5 tokens in slot 1 of 3, an fp32 pool
-    /// and fp32 inputs, K-first, no ring (and no delta plane), q/k l2norm and both activations in the kernel.
+    /// and fp32 inputs, K-first, no ring (and no delta plane), q/k l2norm and both activations
+    /// in the kernel.
     pub fn new(h: usize, hv: usize, k: usize, v: usize) -> Self {
         Self {
             h,
