@@ -79,11 +79,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     const int col0l = warp * WC + lv * TV, col0 = cb + col0l;
     float s[TK][TV];
     kda_u32 w[TW];
-    if constexpr (TILE_WORDS) {
-        load_tile_words(head, lk, col0l < cwv ? col0 : V, w);
-    } else {
-        load_tile(head, lk, col0l < cwv ? col0 : V, s);
-    }
+    tile_load_lane(head, lk, col0l < cwv ? col0 : V, w, s);
     const int gran = (int)p.ring_gran;
     tile_new_rows(dsm, L, p, bos, nnew, h, hv, cb, cwv, gran);
     cp_async_commit();
@@ -115,29 +111,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         float* da = reinterpret_cast<float*>(dsm + L.da);
         float* qa = reinterpret_cast<float*>(dsm + L.qa);
         float* va = reinterpret_cast<float*>(dsm + L.va);
-        const float* bias = reinterpret_cast<const float*>(dsm + L.bias);
-        const float a_exp = s_aexp;
-        auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
-        // activations as kda_ring_tile's
-        for (int u = warp; u < ntok + (int)nnew; u += RT / 32) {
-            if (u < ntok) {
-                act_row(reinterpret_cast<const IT*>(raw(u)), ka + u * KS, p.l2norm != 0u, false, p.scale, lane);
-                for (int kk = K + lane; kk < KS; kk += 32) ka[u * KS + kk] = 0.0f;
-            } else {
-                const int f = u - ntok;
-                act_row(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true,
-                        p.scale, lane);
-                for (int kk = K + lane; kk < KS; kk += 32) qa[f * KS + kk] = 0.0f;
-            }
-        }
-        for (int i = (int)threadIdx.x; i < ntok * KS; i += RT) {
-            const int t = i / KS, kk = i - t * KS;
-            da[i] = kk < K ? decay_of(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
-        }
-        for (int i = (int)threadIdx.x; i < ntok * RCW; i += RT) {
-            const int t = i / RCW, c = i - t * RCW;
-            va[i] = c < cwv ? kda_load(reinterpret_cast<const IT*>(raw(t) + 2 * RK)[c]) : 0.0f;
-        }
+        tile_activate(dsm, L, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
