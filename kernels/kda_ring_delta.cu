@@ -10,13 +10,21 @@
 // so the new token t needs only two products with the tile, which is read and never written:
 //   u_t = beta_t (v_t - S^T (P_t k_t) - sum_{j<t} c_j u_j),   c_j = sum_k k_t R_tj k_j,
 //   o_t = S^T (P_t q_t) + sum_{j<t} e_j u_j + (q_t . k_t) u_t,   e_j = sum_k q_t R_tj k_j,
-// two multiply-adds per element instead of kda_ring_tile's four per pending entry and token
-// plus a reduction each. A commit is the rank-pend update above, rounded to nearest once. An
-// item whose pending entries lack stored vectors (another kernel appended them) replays them
-// with kda_step's token step, as kda_ring_tile does, and stores their vectors on the way, so
-// the next call takes the short path. One new token per sequence (decode, or spec_verify with
-// one draft) or none (replay); the host checks. Nearest rounding only, as kda_ring_tile.
-// The f32 arithmetic differs from kda_step's order on the short path, so the bits do too.
+// two multiply-adds per element instead of kda_ring_tile's three per pending entry (four for
+// the new token) plus a reduction each. A commit is the rank-pend update above, rounded to
+// nearest once. An item whose pending entries lack stored vectors (another kernel appended
+// them) replays them with kda_step's token step, as kda_ring_tile does, and stores their
+// vectors on the way, so the next call takes the short path. One new token per sequence
+// (decode, or spec_verify with one draft) or none (replay); the host checks. Nearest rounding
+// only, as kda_ring_tile. The f32 arithmetic differs from kda_step's order on the short path,
+// so the bits do too.
+//
+// Where it runs (`delta_default` in backend.rs; docs/performance.md, twenty-fourth session): by
+// default for ring decode and one-draft verifies on pools with a delta plane (an opt-in
+// `PoolConfig::ring_deltas`), where it measured 3-12% (ring decode) and up to 21% (one-draft
+// verifies) faster than the kernels chosen before. Its time is each item's fixed cost (the
+// plan's dependent loads, the pending entries' rows and activations), not the tile's bytes: a
+// variant that loaded a 2-byte tile's words late to fit three CTAs per SM was slower.
 #include "kda_ring.cu"
 
 namespace kda {
