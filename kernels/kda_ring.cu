@@ -791,17 +791,22 @@ __device__ __forceinline__ void tile_load_lane(const ST* head, int lk, int col0,
     }
 }
 
+// The f32 arrays of RingTileLayout: activated keys, decays, queries and values.
+struct TileRows {
+    float *ka, *da, *qa, *va;
+    __device__ __forceinline__ TileRows(unsigned char* dsm, const RingTileLayout& L)
+        : ka(reinterpret_cast<float*>(dsm + L.ka)), da(reinterpret_cast<float*>(dsm + L.da)),
+          qa(reinterpret_cast<float*>(dsm + L.qa)), va(reinterpret_cast<float*>(dsm + L.va)) {}
+};
+
 // kda_ring_tile's and kda_ring_delta's activations (RingTileLayout): the keys (combined token t
 // from raw row t < pend ? mq + t : t - pend) and the new tokens' queries a warp per row into
 // ka and qa; the decays and the values over all threads into da and va. Not followed by a
 // barrier.
-__device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTileLayout& L, const KdaParams& p,
-                                              int pend, int ntok, int nnew, int mq, int cwv, float a_exp, int warp,
-                                              int lane) {
-    float* ka = reinterpret_cast<float*>(dsm + L.ka);
-    float* da = reinterpret_cast<float*>(dsm + L.da);
-    float* qa = reinterpret_cast<float*>(dsm + L.qa);
-    float* va = reinterpret_cast<float*>(dsm + L.va);
+__device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTileLayout& L, const TileRows& r,
+                                              const KdaParams& p, int pend, int ntok, int nnew, int mq, int cwv,
+                                              float a_exp, int warp, int lane) {
+    float *ka = r.ka, *da = r.da, *qa = r.qa, *va = r.va;
     const float* bias = reinterpret_cast<const float*>(dsm + L.bias);
     auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
     for (int u = warp; u < ntok + nnew; u += RT / 32) {
@@ -884,11 +889,9 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     __syncthreads();
     const kda_u32 old = tile_arrive(meta);
     if (work) {
-        float* ka = reinterpret_cast<float*>(dsm + L.ka);
-        float* da = reinterpret_cast<float*>(dsm + L.da);
-        float* qa = reinterpret_cast<float*>(dsm + L.qa);
-        float* va = reinterpret_cast<float*>(dsm + L.va);
-        tile_activate(dsm, L, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane);
+        const TileRows rows(dsm, L);
+        float *ka = rows.ka, *da = rows.da, *qa = rows.qa, *va = rows.va;
+        tile_activate(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);

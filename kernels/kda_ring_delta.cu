@@ -115,11 +115,9 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     __syncthreads();
     const kda_u32 old = tile_arrive(meta);
     if (work) {
-        float* ka = reinterpret_cast<float*>(dsm + L.ka);
-        float* da = reinterpret_cast<float*>(dsm + L.da);
-        float* qa = reinterpret_cast<float*>(dsm + L.qa);
-        float* va = reinterpret_cast<float*>(dsm + L.va);
-        tile_activate(dsm, L, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane);
+        const TileRows rows(dsm, L);
+        float *ka = rows.ka, *da = rows.da, *qa = rows.qa, *va = rows.va;
+        tile_activate(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);

@@ -348,11 +348,12 @@ impl PoolGeometry {
                 .and_then(|x| x.checked_mul(self.ring_len))
                 .and_then(|x| x.checked_mul(self.ring_dtype.size()))
                 .and_then(|x| x.checked_add(RING_META_BYTES)),
-            // the delta plane's f32 vectors (counted whether or not the pool has one)
+            // the delta plane's f32 vectors, where the pool has one
             self.hv
                 .checked_mul(self.v)
                 .and_then(|x| x.checked_mul(self.ring_len))
-                .and_then(|x| x.checked_mul(4)),
+                .and_then(|x| x.checked_mul(4))
+                .map(|x| if self.ring_deltas { x } else { 0 }),
         ];
         let mut slot_bytes = 0usize;
         for plane in per_layer {
