@@ -733,15 +733,16 @@ __device__ __forceinline__ void tile_new_rows(unsigned char* dsm, const LT& L, c
     }
 }
 
-// Copies the pending entries' rows (k, g, v at rows mq + t) as one committed group, and
-// activates the betas (thread t: combined token t) into sbeta.
+// Copies the pending entries' rows (k, g, v at rows mq + t; v only where `values`) as one
+// committed group, and activates the betas (thread t: combined token t) into sbeta.
 template <typename LT>
 __device__ __forceinline__ void tile_pending_rows(unsigned char* dsm, const LT& L, const KdaParams& p, const IT* ring,
                                                   size_t entry, int pend, int ntok, int mq, kda_u32 bos, int h,
-                                                  int hv, int cb, int cwv, int gran) {
+                                                  int hv, int cb, int cwv, int gran, bool values = true) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int r = warp; r < 3 * pend; r += RT / 32) {
-        const int t = r / 3, part = r - 3 * t;
+    const int parts = values ? 3 : 2;
+    for (int r = warp; r < parts * pend; r += RT / 32) {
+        const int t = r / parts, part = r - parts * t;
         const IT* e = ring + (size_t)t * entry;
         unsigned char* dst = dsm + (mq + t) * L.tokb + part * RK;
         const IT* src = part == 0 ? e + (size_t)h * K : part == 1 ? e + ring_off_g(p, hv) : e + ring_off_v(p, hv) + cb;
@@ -801,11 +802,11 @@ struct TileRows {
 
 // kda_ring_tile's and kda_ring_delta's activations (RingTileLayout): the keys (combined token t
 // from raw row t < pend ? mq + t : t - pend) and the new tokens' queries a warp per row into
-// ka and qa; the decays and the values over all threads into da and va. Not followed by a
-// barrier.
+// ka and qa; the decays and the values (of combined tokens vfrom..) over all threads into da
+// and va. Not followed by a barrier.
 __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTileLayout& L, const TileRows& r,
                                               const KdaParams& p, int pend, int ntok, int nnew, int mq, int cwv,
-                                              float a_exp, int warp, int lane) {
+                                              float a_exp, int warp, int lane, int vfrom = 0) {
     float *ka = r.ka, *da = r.da, *qa = r.qa, *va = r.va;
     const float* bias = reinterpret_cast<const float*>(dsm + L.bias);
     auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
@@ -824,7 +825,7 @@ __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTile
         const int t = i / KS, kk = i - t * KS;
         da[i] = kk < K ? decay_of(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
     }
-    for (int i = (int)threadIdx.x; i < ntok * RCW; i += RT) {
+    for (int i = vfrom * RCW + (int)threadIdx.x; i < ntok * RCW; i += RT) {
         const int t = i / RCW, c = i - t * RCW;
         va[i] = c < cwv ? kda_load(reinterpret_cast<const IT*>(raw(t) + 2 * RK)[c]) : 0.0f;
     }

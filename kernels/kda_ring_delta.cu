@@ -1,48 +1,52 @@
-// Ring decode over stored delta vectors (kda_ring_delta): kda_ring_tile's items (sequence, value
-// head, block of RCW columns), one per CTA, its lane mapping, tile in registers and row copies;
-// what differs is that an item does not replay its pending entries. Every entry this kernel
-// appends leaves its delta vector u_j = beta_j (v_j - (diag(d_j) S_{j-1})^T k_j) (f32, [HV][V]
-// per entry) in the pool's delta plane, and the ring record counts the entries whose vectors are
-// there (RingMeta::cached; every other kernel writes 0). With S the committed state (the tile),
-// decays d_t, P_t = d_0 ... d_t and R_tj = d_{j+1} ... d_t (products of decays, never quotients)
-// the state after the pending entries 0 .. t-1 is
+// Ring decode and spec_verify over stored delta vectors (kda_ring_delta): kda_ring_tile's items
+// (sequence, value head, block of RCW columns), one per CTA, its lane mapping, tile in registers
+// and row copies; what differs is that an item does not replay its pending entries. Every entry
+// this kernel appends leaves its delta vector u_j = beta_j (v_j - (diag(d_j) S_{j-1})^T k_j)
+// (f32, [HV][V] per entry) in the pool's delta plane, and the ring record counts the entries
+// whose vectors are there (RingMeta::cached; every other kernel writes 0). A verify's drafts
+// are appended too, and the accepted ones are a prefix, so their vectors stay valid. With S the
+// tile's state (the committed one, or the one after a commit), the item's tokens 0 .. (the
+// pending entries, then the new ones) with decays d_t, P_t = d_0 ... d_t and
+// R_tj = d_{j+1} ... d_t (products of decays, never quotients), the state after tokens 0 .. t-1 is
 //   S_{t-1} = diag(P_{t-1}) S + sum_{j<t} (R_{t-1,j} k_j) u_j^T,
-// so the new token t needs only two products with the tile, which is read and never written:
-//   u_t = beta_t (v_t - S^T (P_t k_t) - sum_{j<t} c_j u_j),   c_j = sum_k k_t R_tj k_j,
-//   o_t = S^T (P_t q_t) + sum_{j<t} e_j u_j + (q_t . k_t) u_t,   e_j = sum_k q_t R_tj k_j,
-// two multiply-adds per element instead of kda_ring_tile's three per pending entry (four for
-// the new token) plus a reduction each. A commit is the rank-pend update above, rounded to
-// nearest once. An item whose pending entries lack stored vectors (another kernel appended
-// them) replays them with kda_step's token step, as kda_ring_tile does, and stores their
-// vectors on the way, so the next call takes the short path. One new token per sequence
-// (decode, or spec_verify with one draft) or none (replay); the host checks. Nearest rounding
-// only, as kda_ring_tile. The f32 arithmetic differs from kda_step's order on the short path,
-// so the bits do too.
+// so each new token t needs only two products with the tile, which is read and never written:
+//   u_t = beta_t (v_t - S^T (P_t k_t) - sum_{j<t} c_tj u_j),   c_tj = sum_k k_t R_tj k_j,
+//   o_t = S^T (P_t q_t) + sum_{j<t} e_tj u_j + (q_t . k_t) u_t,   e_tj = sum_k q_t R_tj k_j,
+// the new tokens in order (u_t needs the u_j of the drafts before it): two multiply-adds per
+// element and new token instead of kda_ring_tile's three per pending entry and four per new
+// token, plus a reduction each. A commit is the rank-pend update above, rounded to nearest
+// once. An item whose pending entries lack stored vectors (another kernel appended them)
+// replays them with kda_step's token step, as kda_ring_tile does, and stores their vectors on
+// the way, so the next call takes the short path. Any number of new tokens per sequence
+// (decode, spec_verify) or none (replay). Nearest rounding only, as kda_ring_tile. The f32
+// arithmetic differs from kda_step's order on the short path, so the bits do too.
 //
-// Where it runs (`delta_default` in backend.rs; docs/performance.md, twenty-fourth session): by
-// default for ring decode and one-draft verifies on pools with a delta plane (an opt-in
-// `PoolConfig::ring_deltas`), where it measured 3-12% (ring decode) and up to 21% (one-draft
-// verifies) faster than the kernels chosen before. Its time is each item's fixed cost (the
-// plan's dependent loads, the pending entries' rows and activations), not the tile's bytes: a
-// variant that loaded a 2-byte tile's words late to fit three CTAs per SM was slower.
+// Where it runs (`delta_default` in backend.rs; docs/performance.md, twenty-fourth and
+// twenty-fifth sessions): by default for ring decode and spec_verify on pools with a delta
+// plane (an opt-in `PoolConfig::ring_deltas`), where it measured 3-12% (ring decode), up to 21%
+// (one draft) and 4-19% (two and four drafts) faster than the kernels chosen before. Its time
+// is each item's fixed cost (the plan's dependent loads, the pending entries' rows and
+// activations, the pair sums), not the tile's bytes: a variant that loaded a 2-byte tile's words
+// late to fit three CTAs per SM was slower.
 #include "kda_ring.cu"
 
 namespace kda {
 
 // Byte offsets in dynamic shared memory past RingTileLayout's (mirrored by `ring_plan` in
-// backend.rs): f32 arrays ua [MTC][RCW] (the delta vectors of the item's columns, by combined
-// token), ek [MTC][KS] (R k rows), kp, qp, pm [KS] (P_t k_t, P_t q_t, P at a commit), ce [2][MTC]
-// (c_j, e_j) and qk (q_t . k_t).
+// backend.rs): f32 arrays ua [mt][RCW] (the delta vectors of the item's columns, by combined
+// token), ek [max(mq, 1)][mt][KS] (R k rows: a block per new token; a commit's in the first),
+// kp, qp [mq][KS] (P_t k_t, P_t q_t), pm [KS] (P at a commit), ce [2][mq][mt] (c_tj, e_tj) and
+// qk [mq] (q_t . k_t).
 struct DeltaLayout {
     int ua, ek, kp, qp, pm, ce, qk;
-    __device__ __forceinline__ DeltaLayout(const RingTileLayout& L, int mt) {
+    __device__ __forceinline__ DeltaLayout(const RingTileLayout& L, int mt, int mq) {
         ua = L.sbeta + round16(4 * mt);
-        ek = ua + 4 * MTC * RCW;
-        kp = ek + 4 * MTC * KS;
-        qp = kp + 4 * KS;
-        pm = qp + 4 * KS;
+        ek = ua + 4 * mt * RCW;
+        kp = ek + 4 * (mq > 1 ? mq : 1) * mt * KS;
+        qp = kp + 4 * mq * KS;
+        pm = qp + 4 * mq * KS;
         ce = pm + 4 * KS;
-        qk = ce + 4 * 2 * MTC; // then 16 bytes: the end
+        qk = ce + 4 * 2 * mq * mt; // then round16(4 mq) bytes: the end
     }
 };
 
@@ -62,6 +66,32 @@ __device__ __forceinline__ void store_delta(float* dst, const float (&u)[TV], in
     }
 }
 
+// Eight lanes per column group and four columns per lane (K = 128): the new tokens' sums are
+// scattered over the group's lanes instead of reduced into every lane (scatter_sums).
+constexpr bool SCATTER = LK == 8 && TV == 4;
+
+// Sums a lane's partial products k S (ak) and q S (aq) of its TV = 4 columns over the LK = 8
+// lanes of its column group and returns one of the eight sums: lane lk gets column lk & 3 of
+// k S (lk < 4) or of q S. Seven shuffles where reduce_k takes twelve per vector.
+__device__ __forceinline__ float scatter_sums(const float (&ak)[TV], const float (&aq)[TV], int lk) {
+    float x[8] = {ak[0], ak[1], ak[2], ak[3], aq[0], aq[1], aq[2], aq[3]};
+    // lk's bit b is the lane's bit b + log2(LV): each round keeps the half of the values its
+    // bit names and adds the partner's copy of it
+    const bool b2 = (lk & 4) != 0, b1 = (lk & 2) != 0, b0 = (lk & 1) != 0;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const float send = b2 ? x[m] : x[m + 4], keep = b2 ? x[m + 4] : x[m];
+        x[m] = keep + KDA_SHFL_XOR(send, 4 * LV);
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const float send = b1 ? x[m] : x[m + 2], keep = b1 ? x[m + 2] : x[m];
+        x[m] = keep + KDA_SHFL_XOR(send, 2 * LV);
+    }
+    const float send = b0 ? x[0] : x[1], keep = b0 ? x[1] : x[0];
+    return keep + KDA_SHFL_XOR(send, LV);
+}
+
 } // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
@@ -74,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     const int lk = lane / LV, lv = lane % LV;
     TileItem it = tile_item_begin(p);
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
-    const DeltaLayout D(L, (int)p.ring_mt);
+    const DeltaLayout D(L, (int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
     tile_item_plan(p, it, s_plan, s_aexp);
     if (threadIdx.x == 64) s_cached = reinterpret_cast<const volatile kda_u32*>(it.meta)[3];
@@ -109,7 +139,8 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         for (int j = warp; j < have; j += RT / 32)
             copy_row(reinterpret_cast<unsigned char*>(ua + j * RCW), delta_row(p, slot, (kda_u32)j, hv, cb), 4 * cwv,
                      ugran, lane);
-        tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran);
+        // the short path reads no pending values (its vectors replace them)
+        tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran, !fast);
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -117,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     if (work) {
         const TileRows rows(dsm, L);
         float *ka = rows.ka, *da = rows.da, *qa = rows.qa, *va = rows.va;
-        tile_activate(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane);
+        tile_activate(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane, fast ? pend : 0);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
@@ -138,58 +169,66 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         // the pending entries still in the tile's frame: 0 .. pend on the short path without a commit
         const int base = (fast && !store) ? 0 : pend;
         const bool fold = fast && store && pend > 0;
+        const int nn = (int)nnew, mt = (int)p.ring_mt;
         float* ek = reinterpret_cast<float*>(dsm + D.ek);
         float* kp = reinterpret_cast<float*>(dsm + D.kp);
         float* qp = reinterpret_cast<float*>(dsm + D.qp);
         float* pm = reinterpret_cast<float*>(dsm + D.pm);
         float* ce = reinterpret_cast<float*>(dsm + D.ce);
         float* qk = reinterpret_cast<float*>(dsm + D.qk);
-        // a thread per k: at a short-path commit R_{pend-1,j} k_j into ek and P_{pend-1} into pm;
-        // for the new token R_tj k_j (j in the frame) into ek, P_t k_t and P_t q_t into kp, qp
-        for (int k = (int)threadIdx.x; k < KS; k += RT) {
-            if (k >= K) {
-                kp[k] = qp[k] = pm[k] = 0.0f;
-                continue;
-            }
-            if (fold) {
+        // a thread per k: at a short-path commit R_{pend-1,j} k_j into ek's first block and
+        // P_{pend-1} into pm
+        if (fold) {
+            for (int k = (int)threadIdx.x; k < KS; k += RT) {
                 float r = 1.0f;
-                for (int j = pend - 1; j >= 0; --j) {
-                    ek[j * KS + k] = r * ka[j * KS + k];
-                    r *= da[j * KS + k];
+                if (k < K) {
+                    for (int j = pend - 1; j >= 0; --j) {
+                        ek[j * KS + k] = r * ka[j * KS + k];
+                        r *= da[j * KS + k];
+                    }
                 }
                 pm[k] = r;
             }
-            if (nnew > 0) {
-                const int t = pend;
-                float r = da[t * KS + k];
-                for (int j = t - 1; j >= base; --j) {
-                    ek[j * KS + k] = r * ka[j * KS + k];
-                    r *= da[j * KS + k];
-                }
-                kp[k] = r * ka[t * KS + k];
-                qp[k] = r * qa[k];
+        }
+        // a thread per (new token i, k): R_tj k_j (j in the frame before t = pend + i) into ek
+        // block i, P_t k_t and P_t q_t into kp, qp row i (the fold's rows lie below the frame)
+        for (int x = (int)threadIdx.x; x < nn * KS; x += RT) {
+            const int i = x / KS, k = x - i * KS, t = pend + i;
+            if (k >= K) {
+                kp[x] = qp[x] = 0.0f;
+                continue;
             }
+            float r = da[t * KS + k];
+            for (int j = t - 1; j >= base; --j) {
+                ek[(i * mt + j) * KS + k] = r * ka[j * KS + k];
+                r *= da[j * KS + k];
+            }
+            kp[x] = r * ka[t * KS + k];
+            qp[x] = r * qa[x];
         }
         __syncthreads();
-        if (nnew > 0) {
-            // c_j and e_j a warp per j of the frame; q_t . k_t by the next warp
-            const int t = pend;
-            for (int j = base + warp; j <= t; j += RT / 32) {
-                float pc = 0.0f, pe = 0.0f;
-                for (int k = lane; k < K; k += 32) {
-                    const float x = j < t ? ek[j * KS + k] : ka[t * KS + k];
-                    pc = fmaf(ka[t * KS + k], x, pc);
-                    pe = fmaf(qa[k], x, pe);
-                }
-                pc = warp_sum(pc);
-                pe = warp_sum(pe);
-                if (lane == 0) {
-                    if (j < t) {
-                        ce[j] = pc;
-                        ce[MTC + j] = pe;
-                    } else {
-                        qk[0] = pe;
-                    }
+        // c_tj = k_t . R_tj k_j and e_tj = q_t . R_tj k_j, a warp per pair (i, j) of the frame;
+        // j = t gives q_t . k_t
+        const int span = pend - base + nn;
+        for (int x = warp; x < nn * span; x += RT / 32) {
+            const int i = x / span, j = base + (x - i * span), t = pend + i;
+            if (j > t) continue;
+            const float* kt = ka + t * KS;
+            const float* qt = qa + i * KS;
+            const float* r = j < t ? ek + (i * mt + j) * KS : kt;
+            float pc = 0.0f, pe = 0.0f;
+            for (int k = lane; k < K; k += 32) {
+                pc = fmaf(kt[k], r[k], pc);
+                pe = fmaf(qt[k], r[k], pe);
+            }
+            pc = warp_sum(pc);
+            pe = warp_sum(pe);
+            if (lane == 0) {
+                if (j < t) {
+                    ce[i * mt + j] = pc;
+                    ce[(mq + i) * mt + j] = pe;
+                } else {
+                    qk[i] = pe;
                 }
             }
         }
@@ -214,16 +253,17 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
             if (col0l < cwv) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
         }
         __syncthreads();
-        if (nnew > 0) {
-            // the new token: two products with the tile (frame S), then its vector and output
-            const int t = pend;
+        // the new tokens in order: two products with the tile (frame S) each, then its vector
+        // (kept in ua row t for the tokens after it) and output
+        for (int i = 0; i < nn; ++i) {
+            const int t = pend + i;
             float ak[TV], aq[TV];
+#pragma unroll
+            for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
             {
                 float kv[TK], qv[TK];
-                rows_from_smem(kp, lk, kv);
-                rows_from_smem(qp, lk, qv);
-#pragma unroll
-                for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
+                rows_from_smem(kp + i * KS, lk, kv);
+                rows_from_smem(qp + i * KS, lk, qv);
 #pragma unroll
                 for (int r = 0; r < TK; ++r)
 #pragma unroll
@@ -232,30 +272,59 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
                         aq[c] = fmaf(qv[r], s[r][c], aq[c]);
                     }
             }
-            reduce_k(ak);
-            reduce_k(aq);
-            for (int j = base; j < t; ++j) {
-                const float4 u4 = *reinterpret_cast<const float4*>(ua + j * RCW + col0l);
-                const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
-                const float cj = ce[j], ej = ce[MTC + j];
+            const float bt = sbeta[t], qkt = qk[i];
+            IT* orow = reinterpret_cast<IT*>(p.out) + ((size_t)(bos + i) * p.hv + hv) * V;
+            if constexpr (SCATTER) {
+                // lane lk of a column group ends with one sum: k S of column lk (lk < 4) or
+                // q S of column lk - 4, and steps that column alone
+                const int mc = lk & 3;
+                const bool isq = lk >= 4;
+                const float a0 = scatter_sums(ak, aq, lk);
+                float a = a0;
+                const float* cj = ce + (isq ? mq + i : i) * mt;
+                for (int j = base; j < t; ++j) a = fmaf(cj[j], ua[j * RCW + col0l + mc], a);
+                const bool valid = col0l + mc < cwv;
+                const float u = bt * ((valid ? va[t * RCW + col0l + mc] : 0.0f) - a);
+                // the q lanes take the vector of their column from the k lanes
+                const float uq = KDA_SHFL_XOR(u, 4 * LV);
+                if (!isq) {
+                    ua[t * RCW + col0l + mc] = u;
+                    if (valid && pl.append_at != KDA_NONE)
+                        delta_row(p, slot, pl.append_at + (kda_u32)i, hv, col0)[mc] = u;
+                } else if (valid) {
+                    orow[col0 + mc] = KdaElem<IT>::from_f32(fmaf(qkt, uq, a));
+                }
+            } else {
+                reduce_k(ak);
+                reduce_k(aq);
+                for (int j = base; j < t; ++j) {
+                    const float4 u4 = *reinterpret_cast<const float4*>(ua + j * RCW + col0l);
+                    const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
+                    const float cj = ce[i * mt + j], ej = ce[(mq + i) * mt + j];
+#pragma unroll
+                    for (int c = 0; c < TV; ++c) {
+                        ak[c] = fmaf(cj, uv[c % 4], ak[c]);
+                        aq[c] = fmaf(ej, uv[c % 4], aq[c]);
+                    }
+                }
+                float u[TV];
 #pragma unroll
                 for (int c = 0; c < TV; ++c) {
-                    ak[c] = fmaf(cj, uv[c % 4], ak[c]);
-                    aq[c] = fmaf(ej, uv[c % 4], aq[c]);
+                    const float vv = col0l + c < cwv ? va[t * RCW + col0l + c] : 0.0f;
+                    u[c] = bt * (vv - ak[c]);
+                    o[c] = fmaf(qkt, u[c], aq[c]);
+                }
+                if (lk == 0) {
+                    *reinterpret_cast<float4*>(ua + t * RCW + col0l) = make_float4(u[0], u[1], u[2], u[3]);
+                    if (col0l < cwv) {
+                        store_out(orow + col0, o, col0);
+                        if (pl.append_at != KDA_NONE)
+                            store_delta(delta_row(p, slot, pl.append_at + (kda_u32)i, hv, col0), u, col0l, cwv);
+                    }
                 }
             }
-            const float bt = sbeta[t], qkt = qk[0];
-            float u[TV];
-#pragma unroll
-            for (int c = 0; c < TV; ++c) {
-                const float vv = col0l + c < cwv ? va[t * RCW + col0l + c] : 0.0f;
-                u[c] = bt * (vv - ak[c]);
-                o[c] = fmaf(qkt, u[c], aq[c]);
-            }
-            if (lk == 0 && col0l < cwv) {
-                store_out(reinterpret_cast<IT*>(p.out) + ((size_t)bos * p.hv + hv) * V + col0, o, col0);
-                if (pl.append_at != KDA_NONE) store_delta(delta_row(p, slot, pl.append_at, hv, col0), u, col0l, cwv);
-            }
+            // every lane of a column group reads the vectors its k lanes wrote
+            __syncwarp();
         }
         if (!store && pl.append_at != KDA_NONE && nnew > 0)
             tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry);

@@ -784,9 +784,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 // the default kernel, then each ring kernel forced
                                 let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                 b.record("spec", h, n, t, l, state, layout, sets, us, bytes)?;
-                                // (kda_ring_delta takes one new token per sequence at most)
-                                let fits = |k: RingKernel| k != RingKernel::Delta || t <= 1;
-                                for &(op, k) in ring_rows.iter().filter(|r| fits(r.1)) {
+                                for &(op, k) in &ring_rows {
                                     be.set_ring_kernel(Some(k)).map_err(kerr)?;
                                     let us = b.time(&mut s, kind, Some(&acc_buf))?;
                                     let op = format!("spec-{op}");

@@ -47,14 +47,13 @@ pub enum RingKernel {
     /// step of them). The default for big spec_verify calls of four or more drafts on 2-byte
     /// pools.
     Mma,
-    /// `kda_ring_delta`: `Tile`'s items for calls of at most one new token per sequence (ring
-    /// decode, spec_verify with one draft, replay). It keeps each appended entry's f32 delta
-    /// vector in the pool's delta plane, so a new token needs two products with the state tile
-    /// instead of a replay of the pending entries, and a commit is one rank-`pending` update.
-    /// Pending entries another kernel appended are replayed once. Needs a pool with a delta
-    /// plane (`PoolGeometry::ring_deltas`), where it is the default for ring decode and one-draft
-    /// verifies. Not the bits of the others (fp32 states within about 1e-6, 2-byte ones within
-    /// one rounding step of them).
+    /// `kda_ring_delta`: `Tile`'s items for every ring operation. It keeps each appended entry's
+    /// f32 delta vector in the pool's delta plane, so a new token (decoded or a draft) needs two
+    /// products with the state tile instead of a replay of the pending entries, and a commit is
+    /// one rank-`pending` update. Pending entries another kernel appended are replayed once.
+    /// Needs a pool with a delta plane (`PoolGeometry::ring_deltas`), where it is the default for
+    /// ring decode and spec_verify. Not the bits of the others (fp32 states within about 1e-6,
+    /// 2-byte ones within one rounding step of them).
     Delta,
     /// The general kernel of every operation, one q/k head with its value heads per CTA
     /// (`kda_step`).

@@ -127,19 +127,48 @@ fn within_one_step(a: f32, b: f32, dtype: Dtype, noise: f32) -> bool {
 /// same states and inputs; compares outputs and states. Returns the worst relative output
 /// difference and the fraction of bit-exact state elements after the first store.
 fn compare_with_cpu(cu: &CudaBackend, case: &Case, steps: usize, seed: u64) -> (f64, f64) {
-    compare_with_cpu_every(cu, case, steps, seed, 3, case.ring_len)
+    compare_with_cpu_every(cu, case, steps, seed, Calls::mixed(case.ring_len))
 }
 
-/// `compare_with_cpu` with a verify of 0..=`max_drafts` drafts per sequence and a flush every
-/// `spec_every` calls (0: decode only).
+/// The calls of `compare_with_cpu_every`.
+struct Calls<'a> {
+    /// A verify every `spec_every` calls (0: decode only; 1 with `chain`: verifies only).
+    spec_every: usize,
+    /// Each verify has 0..=`max_drafts` drafts per sequence.
+    max_drafts: usize,
+    /// A verify's drafts are resolved by the next verify's random accepted counts, not by a
+    /// flush right after it.
+    chain: bool,
+    /// Runs before each CUDA call, with the call's number (to switch kernels between calls).
+    before: &'a dyn Fn(usize),
+}
+
+impl Calls<'_> {
+    /// Decodes, and a verify of up to `max_drafts` drafts and a flush every third call.
+    fn mixed(max_drafts: usize) -> Self {
+        Calls {
+            spec_every: 3,
+            max_drafts,
+            chain: false,
+            before: &|_| {},
+        }
+    }
+}
+
+/// `compare_with_cpu` with the given mix of calls.
 fn compare_with_cpu_every(
     cu: &CudaBackend,
     case: &Case,
     steps: usize,
     seed: u64,
-    spec_every: usize,
-    max_drafts: usize,
+    calls: Calls,
 ) -> (f64, f64) {
+    let Calls {
+        spec_every,
+        max_drafts,
+        chain,
+        before,
+    } = calls;
     let mut rng = StdRng::seed_from_u64(seed);
     let init = initial_states(case, &mut rng);
     let mut cpu_layer: TestLayer<_> = layer_with_states(
@@ -160,6 +189,8 @@ fn compare_with_cpu_every(
     } else {
         2e-2
     };
+    // with `chain`: the drafts of the last verify, per sequence
+    let mut drafts = vec![0usize; n];
     for step in 0..steps {
         let use_spec = case.ring_len > 0 && spec_every > 0 && step % spec_every == spec_every - 1;
         let (bounds, acc): (Vec<usize>, Vec<u32>) = if use_spec {
@@ -168,7 +199,14 @@ fn compare_with_cpu_every(
             for l in &lens {
                 b.push(b.last().unwrap() + l);
             }
-            (b, vec![0; n])
+            let acc = drafts
+                .iter()
+                .map(|&d| rng.random_range(0..=d as u32))
+                .collect();
+            if chain {
+                drafts = lens;
+            }
+            (b, acc)
         } else {
             (bounds1.clone(), vec![])
         };
@@ -190,6 +228,7 @@ fn compare_with_cpu_every(
             &case.opts,
         )
         .expect("cpu call");
+        before(step);
         let got = run_tokens(
             cu,
             &mut gpu_layer,
@@ -206,7 +245,7 @@ fn compare_with_cpu_every(
             "step {step}: outputs differ by {d:.3e} (tolerance {out_tol:.1e})"
         );
         worst = worst.max(d);
-        if use_spec {
+        if use_spec && !chain {
             // resolve the drafts: accept a random number of them, then flush
             let acc: Vec<u32> = (0..n)
                 .map(|i| rng.random_range(0..=(bounds[i + 1] - bounds[i]) as u32))
@@ -797,12 +836,12 @@ fn cuda_tensor_core_ring_kernel_matches_the_cpu_backend() {
 
 /// `kda_ring_delta` reads stored delta vectors instead of replaying the pending entries, so it
 /// is checked against the CPU backend with the tolerances, as `kda_ring_mma`: first 20
-/// ring decodes (commits every `ring_len` tokens from stored vectors), then 12 calls of decodes
-/// and verifies of 0 or 1 draft (all on this kernel) with flushes, then `compare_with_cpu`'s mix
-/// of decodes, verifies of 0..=ring_len drafts (those of two or more run on `kda_step`, which
-/// stores no vectors, so the next call replays) and flushes; every pool dtype, both layouts,
-/// GVA, bf16 inputs (fp32 ones with an fp32 pool), and a head of 96 columns (a partial item;
-/// fp32 and fp16 pools).
+/// ring decodes (commits every `ring_len` tokens from stored vectors), then 12 verifies of
+/// 0..=ring_len drafts, each accepting a random number of the drafts before it, then
+/// `compare_with_cpu`'s mix of decodes, verifies and flushes with every fourth call on
+/// `kda_step`, which stores no vectors, so the next call replays (the long path); every pool
+/// dtype, both layouts, GVA, bf16 inputs (fp32 ones with an fp32 pool), and a head of 96
+/// columns (a partial item; fp32 and fp16 pools).
 #[test]
 fn cuda_delta_ring_kernel_matches_the_cpu_backend() {
     let Some(cu) = cuda() else { return };
@@ -825,9 +864,32 @@ fn cuda_delta_ring_kernel_matches_the_cpu_backend() {
                     ring_deltas: true,
                     ..case(h, hv, k, v, state, input, layout, ring_len)
                 };
-                let (d, _) = compare_with_cpu_every(&cu, &c, 20, seed, 0, 0);
-                let (e, _) = compare_with_cpu_every(&cu, &c, 12, seed + 50, 2, 1);
-                let (f, _) = compare_with_cpu(&cu, &c, 12, seed + 100);
+                let decodes = Calls {
+                    spec_every: 0,
+                    ..Calls::mixed(0)
+                };
+                let (d, _) = compare_with_cpu_every(&cu, &c, 20, seed, decodes);
+                let verifies = Calls {
+                    spec_every: 1,
+                    chain: true,
+                    ..Calls::mixed(ring_len)
+                };
+                let (e, _) = compare_with_cpu_every(&cu, &c, 12, seed + 50, verifies);
+                let step_every_fourth = |call: usize| {
+                    let kernel = if call % 4 == 1 {
+                        RingKernel::Step
+                    } else {
+                        RingKernel::Delta
+                    };
+                    cu.set_ring_kernel(Some(kernel)).expect("ring kernel");
+                };
+                let mixed = Calls {
+                    before: &step_every_fourth,
+                    ..Calls::mixed(ring_len)
+                };
+                let (f, _) = compare_with_cpu_every(&cu, &c, 16, seed + 100, mixed);
+                cu.set_ring_kernel(Some(RingKernel::Delta))
+                    .expect("ring kernel");
                 eprintln!(
                     "{state} {layout:?} H={h} HV={hv} K={k} V={v} {input} inputs ring {ring_len}: outputs within {:.2e} of the CPU's",
                     d.max(e).max(f)
@@ -979,6 +1041,7 @@ fn cuda_back_to_back_spec_verifies_of_the_same_slots_give_the_bits_of_one_call_a
         (Dtype::Bf16, 4, Some(RingKernel::Tile)),
         (Dtype::Fp16, 4, Some(RingKernel::Mma)),
         (Dtype::Bf16, 1, Some(RingKernel::Delta)),
+        (Dtype::Fp32, 3, Some(RingKernel::Delta)),
     ] {
         cu.set_ring_kernel(kernel).expect("ring kernel");
         let c = Case {

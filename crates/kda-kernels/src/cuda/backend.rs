@@ -477,8 +477,8 @@ fn ring_item_columns(k: usize) -> usize {
 /// `None` where the call does not fit it (stochastic rounding, tiles that are not whole 16-byte
 /// copies, token rows that are not whole 4-byte copies, too many tokens per item, too much shared
 /// memory; for `kda_ring_mma` also K other than 128 or value heads that are not whole 128-column
-/// items; for `kda_ring_delta` a pool without a delta plane, more than one new token per
-/// sequence or V not a multiple of 4): then `kda_step` runs. Mirrors `RingLayout`,
+/// items; for `kda_ring_delta` a pool without a delta plane or V not a multiple of 4): then
+/// `kda_step` runs. Mirrors `RingLayout`,
 /// `RingTileLayout`, `MmaLayout`, `DeltaLayout` and the constants of `kernels/kda_ring.cu`,
 /// `kernels/kda_ring_mma.cu` and `kernels/kda_ring_delta.cu` (an item of each kernel is eight
 /// warps of `kda_step`'s lane mapping).
@@ -495,7 +495,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         || mt > RING_MAX_TOKENS
         || (kernel == RingKernel::Mma
             && (s.k != MMA_ITEM || cw != MMA_ITEM || !s.v.is_multiple_of(MMA_ITEM)))
-        || (kernel == RingKernel::Delta && (!s.deltas || s.max_new > 1 || !s.v.is_multiple_of(4)))
+        || (kernel == RingKernel::Delta && (!s.deltas || !s.v.is_multiple_of(4)))
     {
         return None;
     }
@@ -516,10 +516,10 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let smem = match kernel {
         RingKernel::Tile => rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt),
         RingKernel::Delta => {
-            // Tile's, then the delta vectors and R k rows of up to MTC tokens, P k, P q and P,
-            // the pair sums and q . k
-            let (m, floats) = (RING_MAX_TOKENS, RING_MAX_TOKENS * (cw + ks) + 3 * ks);
-            rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt) + 4 * (floats + 2 * m) + 16
+            // Tile's, then the delta vectors by token, a block of R k rows per new token (one at
+            // least: a commit's), P k and P q per new token, P, the pair sums and q . k
+            let floats = mt * cw + mq.max(1) * mt * ks + 2 * mq * ks + ks + 2 * mq * mt;
+            rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt) + 4 * floats + r16(4 * mq)
         }
         RingKernel::Mma => {
             // keys and queries, decays (rows of K + 4 floats); the pair matrices, betas, P; the
@@ -586,12 +586,15 @@ const MMA_SPEC_FROM: usize = 384;
 const MMA_SPEC_MIN_NEW: usize = 4;
 
 /// Whether a call of `op` is one `kda_ring_delta` runs by default (where it fits): ring decode
-/// and spec_verify of one draft on a pool with a delta plane. On the H200 (docs/performance.md,
-/// twenty-fourth session) ring decode measured 3-12% faster than the kernel chosen before at
-/// 12-8192 items, every pool dtype; spec_verify of one draft 6-21% faster than `kda_ring` at
-/// 12-32 and 2048-8192 items, 1.5% (fp16) and 3.5% (fp32) slower at 768.
+/// and spec_verify on a pool with a delta plane. On the H200 ring decode measured 3-12% faster
+/// than the kernel chosen before at 12-8192 items, every pool dtype, and spec_verify of one
+/// draft 6-21% faster than `kda_ring` at 12-32 and 2048-8192 items, 1.5% (fp16) and 3.5% (fp32)
+/// slower at 768 (docs/performance.md, twenty-fourth session). With two and four drafts it
+/// measured faster than every other kernel at 192-8192 items, fp32 and fp16 pools, `kda_ring_mma`
+/// included (twenty-fifth session). Replay keeps its kernels: from records without stored
+/// vectors the delta kernel replays as `kda_ring_tile` does, and measured slower.
 fn delta_default(s: &RingShape, op: Op) -> bool {
-    s.deltas && (op == Op::Decode || (op == Op::SpecVerify && s.max_new <= 1))
+    s.deltas && matches!(op, Op::Decode | Op::SpecVerify)
 }
 
 /// Whether a call of `op` of `items` items is one `kda_ring_mma` runs by default (where it fits).
@@ -603,7 +606,8 @@ fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
 }
 
 /// The ring kernel of a call of `op`, or `None` for `kda_step`: `forced`
-/// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_mma` for big
+/// (`CudaBackend::set_ring_kernel`) where the call fits it, else `kda_ring_delta` for ring decode
+/// and spec_verify on pools with a delta plane ([`delta_default`]), `kda_ring_mma` for big
 /// spec_verify calls of four or more drafts on 2-byte pools ([`mma_spec`]), `kda_ring_tile` for
 /// small ring decode and replay calls ([`RING_TILE_DECODE_UPTO`], [`RING_TILE_REPLAY_UPTO`] items) and
 /// spec_verify calls of two or more drafts up to [`RING_TILE_SPEC_UPTO`] items or from
@@ -1869,8 +1873,14 @@ mod tests {
     }
 
     #[test]
-    fn ring_choice_takes_the_delta_kernel_for_one_token_calls_on_pools_with_a_delta_plane() {
-        for (op, max_new) in [(Op::Decode, 1), (Op::SpecVerify, 1), (Op::SpecVerify, 0)] {
+    fn ring_choice_takes_the_delta_kernel_for_decode_and_spec_on_pools_with_a_delta_plane() {
+        for (op, max_new) in [
+            (Op::Decode, 1),
+            (Op::SpecVerify, 1),
+            (Op::SpecVerify, 0),
+            (Op::SpecVerify, 2),
+            (Op::SpecVerify, 4),
+        ] {
             for state_size in [4, 2] {
                 let mut s = ring_shape(state_size, 8, max_new);
                 let kernel = |s: &RingShape| ring_choice(s, op, None).map(|p| p.kernel);
@@ -1882,14 +1892,19 @@ mod tests {
                 assert_eq!(kernel(&s), Some(RingKernel::Delta), "{op:?}, 12 heads");
             }
         }
-        // never for two or more new tokens, for replay, or where it cannot run
-        let mut s = ring_shape(2, 8, 2);
-        s.deltas = true;
-        assert_ne!(
+        // ahead of kda_ring_mma for big 2-byte calls of four drafts too
+        let mut s = ring_shape(2, 10, 4);
+        (s.deltas, s.heads) = (true, 8192);
+        assert_eq!(
             ring_choice(&s, Op::SpecVerify, None).map(|p| p.kernel),
             Some(RingKernel::Delta)
         );
-        assert_eq!(ring_plan(&s, RingKernel::Delta), None, "two new tokens");
+        s.deltas = false;
+        assert_eq!(
+            ring_choice(&s, Op::SpecVerify, None).map(|p| p.kernel),
+            Some(RingKernel::Mma)
+        );
+        // not by default for replay, nor where it cannot run
         let mut s = ring_shape(2, 8, 0);
         s.deltas = true;
         assert_ne!(
@@ -1909,6 +1924,12 @@ mod tests {
         let mut s = ring_shape(4, 15, 1);
         s.deltas = true;
         let p = ring_plan(&s, RingKernel::Delta).expect("ring 15: 16 tokens");
+        assert!(2 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
+        // and for spec_verify of four drafts over a ring of 10
+        let mut s = ring_shape(4, 10, 4);
+        s.deltas = true;
+        let p = ring_plan(&s, RingKernel::Delta).expect("spec T = 4");
+        assert_eq!((p.mt, p.mq), (14, 4));
         assert!(2 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
     }
 
