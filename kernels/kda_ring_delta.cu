@@ -24,7 +24,7 @@
 // Where it runs (`delta_default` in backend.rs; docs/performance.md, twenty-fourth and
 // twenty-fifth sessions): by default for ring decode and spec_verify on pools with a delta
 // plane (an opt-in `PoolConfig::ring_deltas`), where it measured 3-12% (ring decode), up to 21%
-// (one draft) and 4-19% (two and four drafts) faster than the kernels chosen before. Its time
+// (one draft) and 2-18% (two to four drafts) faster than the kernels chosen before. Its time
 // is each item's fixed cost (the plan's dependent loads, the pending entries' rows and
 // activations, the pair sums), not the tile's bytes: a variant that loaded a 2-byte tile's words
 // late to fit three CTAs per SM was slower.
@@ -279,8 +279,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
                 // q S of column lk - 4, and steps that column alone
                 const int mc = lk & 3;
                 const bool isq = lk >= 4;
-                const float a0 = scatter_sums(ak, aq, lk);
-                float a = a0;
+                float a = scatter_sums(ak, aq, lk);
                 const float* cj = ce + (isq ? mq + i : i) * mt;
                 for (int j = base; j < t; ++j) a = fmaf(cj[j], ua[j * RCW + col0l + mc], a);
                 const bool valid = col0l + mc < cwv;

@@ -36,8 +36,8 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub ring_len: Option<usize>,
     /// Give the pool a delta plane: f32 delta vectors of the ring entries (ring_len x HV x V x 4
-    /// bytes more per slot and layer) that let the GPU's ring decode skip replaying the pending
-    /// entries (`kda_ring_delta`).
+    /// bytes more per slot and layer) that let the GPU's ring decode and spec_verify skip
+    /// replaying the pending entries (`kda_ring_delta`).
     #[arg(long)]
     pub ring_deltas: bool,
     /// Checkpoint slots beside the request slots.

@@ -72,7 +72,7 @@ pub struct PoolGeometry {
     /// Element type of the ring (the kernels' input dtype).
     pub ring_dtype: Dtype,
     /// Whether the pool has a delta plane (with a ring): f32 delta vectors of the ring entries
-    /// that let the GPU's ring decode skip the replay of pending entries, at
+    /// that let the GPU's ring decode and spec_verify skip the replay of pending entries, at
     /// [`PoolGeometry::delta_slot_bytes`] more per slot and layer.
     pub ring_deltas: bool,
     /// Request slots.

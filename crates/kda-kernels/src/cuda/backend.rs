@@ -478,10 +478,9 @@ fn ring_item_columns(k: usize) -> usize {
 /// copies, token rows that are not whole 4-byte copies, too many tokens per item, too much shared
 /// memory; for `kda_ring_mma` also K other than 128 or value heads that are not whole 128-column
 /// items; for `kda_ring_delta` a pool without a delta plane or V not a multiple of 4): then
-/// `kda_step` runs. Mirrors `RingLayout`,
-/// `RingTileLayout`, `MmaLayout`, `DeltaLayout` and the constants of `kernels/kda_ring.cu`,
-/// `kernels/kda_ring_mma.cu` and `kernels/kda_ring_delta.cu` (an item of each kernel is eight
-/// warps of `kda_step`'s lane mapping).
+/// `kda_step` runs. Mirrors `RingLayout`, `RingTileLayout`, `MmaLayout`, `DeltaLayout` and the
+/// constants of `kernels/kda_ring.cu`, `kernels/kda_ring_mma.cu` and `kernels/kda_ring_delta.cu`
+/// (an item of each kernel is eight warps of `kda_step`'s lane mapping).
 fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = ring_item_columns(s.k);
@@ -589,9 +588,9 @@ const MMA_SPEC_MIN_NEW: usize = 4;
 /// and spec_verify on a pool with a delta plane. On the H200 ring decode measured 3-12% faster
 /// than the kernel chosen before at 12-8192 items, every pool dtype, and spec_verify of one
 /// draft 6-21% faster than `kda_ring` at 12-32 and 2048-8192 items, 1.5% (fp16) and 3.5% (fp32)
-/// slower at 768 (docs/performance.md, twenty-fourth session). With two and four drafts it
-/// measured faster than every other kernel at 192-8192 items, fp32 and fp16 pools, `kda_ring_mma`
-/// included (twenty-fifth session). Replay keeps its kernels: from records without stored
+/// slower at 768 (docs/performance.md, twenty-fourth session). With two to four drafts it
+/// measured 2-18% faster than the kernel chosen before at 192-8192 items, fp32 and fp16 pools,
+/// `kda_ring_mma` included (twenty-fifth session). Replay keeps its kernels: from records without stored
 /// vectors the delta kernel replays as `kda_ring_tile` does, and measured slower.
 fn delta_default(s: &RingShape, op: Op) -> bool {
     s.deltas && matches!(op, Op::Decode | Op::SpecVerify)
