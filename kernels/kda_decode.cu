@@ -668,6 +668,15 @@ __device__ __forceinline__ void prefetch_tile(const ST* head, int cb, int cwv) {
         prefetch_range(head + (size_t)r * V + cb, (size_t)cwv * sizeof(ST), 0, 1);
 }
 
+#if KDA_GRID_DEPENDENCY
+// The number of SMs of the device (%nsmid).
+__device__ __forceinline__ kda_u32 sm_count() {
+    kda_u32 n;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+    return n;
+}
+#endif
+
 // A slot index read before griddepcontrol.wait, from L2 (ld.global.cg): the slots buffer is
 // written by the host before the call, never by the grid this one may overlap.
 __device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) {

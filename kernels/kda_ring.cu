@@ -667,7 +667,11 @@ template <bool WHOLE = false> __device__ __forceinline__ TileItem tile_item_begi
 #if KDA_GRID_DEPENDENCY
     if (p.early != 0u) {
         prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
-        prefetch_ring_rows(p, it.slot, it.h, it.hv, it.cb, it.cwv);
+        // the ring rows only from the CTAs that can start before the previous grid ends (the
+        // first two per SM): a later CTA's wait returns at once, and the rows' prefetch loop
+        // was ~13% of kda_ring_delta's instructions in ring decode (docs/performance.md,
+        // twenty-sixth session: 3-8% faster from 768 items)
+        if (it.item < 2u * sm_count()) prefetch_ring_rows(p, it.slot, it.h, it.hv, it.cb, it.cwv);
     }
 #endif
     KDA_DEPENDENT_LAUNCH();
@@ -734,7 +738,8 @@ __device__ __forceinline__ void tile_new_rows(unsigned char* dsm, const LT& L, c
 }
 
 // Copies the pending entries' rows (k, g, v at rows mq + t; v only where `values`) as one
-// committed group, and activates the betas (thread t: combined token t) into sbeta.
+// committed group, and activates the betas (thread t: combined token t; the pending entries'
+// only where `values`: without their values the caller replays none of them) into sbeta.
 template <typename LT>
 __device__ __forceinline__ void tile_pending_rows(unsigned char* dsm, const LT& L, const KdaParams& p, const IT* ring,
                                                   size_t entry, int pend, int ntok, int mq, kda_u32 bos, int h,
@@ -750,7 +755,7 @@ __device__ __forceinline__ void tile_pending_rows(unsigned char* dsm, const LT& 
     }
     cp_async_commit();
     float* sbeta = reinterpret_cast<float*>(dsm + L.sbeta);
-    if ((int)threadIdx.x < ntok) {
+    if ((int)threadIdx.x < ntok && (values || (int)threadIdx.x >= pend)) {
         const int t = (int)threadIdx.x;
         const IT* b = t < pend ? ring + (size_t)t * entry + ring_off_beta(p, hv)
                                : reinterpret_cast<const IT*>(p.beta) + (bos + (size_t)(t - pend)) * p.hv + hv;
