@@ -652,8 +652,9 @@ struct TileItem {
 };
 
 // The item's coordinates and slot (the host's: read before the wait, early_slot), a dependent
-// launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host checked).
-template <bool WHOLE = false> __device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p) {
+// launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host checked);
+// CTAS: the kernel's CTAs per SM (its launch bounds).
+template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p) {
     TileItem it;
     it.item = blockIdx.x;
     it.per_seq = p.hv * p.vblocks;
@@ -668,10 +669,10 @@ template <bool WHOLE = false> __device__ __forceinline__ TileItem tile_item_begi
     if (p.early != 0u) {
         prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
         // the ring rows only from the CTAs that can start before the previous grid ends (the
-        // first two per SM): a later CTA's wait returns at once, and the rows' prefetch loop
+        // first CTAS per SM): a later CTA's wait returns at once, and the rows' prefetch loop
         // was ~13% of kda_ring_delta's instructions in ring decode (docs/performance.md,
         // twenty-sixth session: 3-8% faster from 768 items)
-        if (it.item < 2u * sm_count()) prefetch_ring_rows(p, it.slot, it.h, it.hv, it.cb, it.cwv);
+        if (it.item < (kda_u32)CTAS * sm_count()) prefetch_ring_rows(p, it.slot, it.h, it.hv, it.cb, it.cwv);
     }
 #endif
     KDA_DEPENDENT_LAUNCH();

@@ -304,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mm
         __shared__ kda_u32 s_last;
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
-        TileItem it = tile_item_begin<true>(p);
+        TileItem it = tile_item_begin<true, MMA_CTAS>(p);
         // the tile is copied in once the plan is known (below), from L2
         if (p.early == 0u) prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
         const MmaLayout L((int)p.ring_mt, (int)p.ring_mq);
