@@ -670,7 +670,7 @@ template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem 
         prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
         // the ring rows only from the CTAs that can start before the previous grid ends (the
         // first CTAS per SM): a later CTA's wait returns at once, and the rows' prefetch loop
-        // was ~13% of kda_ring_delta's instructions in ring decode (docs/performance.md,
+        // was ~16% of kda_ring_delta's instructions in ring decode (docs/performance.md,
         // twenty-sixth session: 3-8% faster from 768 items)
         if (it.item < (kda_u32)CTAS * sm_count()) prefetch_ring_rows(p, it.slot, it.h, it.hv, it.cb, it.cwv);
     }
