@@ -669,7 +669,7 @@ __device__ __forceinline__ void prefetch_tile(const ST* head, int cb, int cwv) {
 }
 
 #if KDA_GRID_DEPENDENCY
-// The number of SMs of the device (%nsmid).
+// The device's SM ids' bound (%nsmid): at least its SM count (the ids need not be contiguous).
 __device__ __forceinline__ kda_u32 sm_count() {
     kda_u32 n;
     asm("mov.u32 %0, %%nsmid;" : "=r"(n));
