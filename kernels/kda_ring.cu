@@ -738,15 +738,16 @@ __device__ __forceinline__ void tile_new_rows(unsigned char* dsm, const LT& L, c
     }
 }
 
-// Copies the pending entries' rows (k, g, v at rows mq + t; v only where `values`) as one
-// committed group, and activates the betas (thread t: combined token t; the pending entries'
-// only where `values`: without their values the caller replays none of them) into sbeta.
+// Copies the pending entries' rows (k, g, v at rows mq + t) as one committed group, and
+// activates the betas (thread t: combined token t) into sbeta. `replay`: whether the caller
+// replays the pending entries; without it their values and betas are not read (kda_ring_delta's
+// short path, whose stored vectors hold them).
 template <typename LT>
 __device__ __forceinline__ void tile_pending_rows(unsigned char* dsm, const LT& L, const KdaParams& p, const IT* ring,
                                                   size_t entry, int pend, int ntok, int mq, kda_u32 bos, int h,
-                                                  int hv, int cb, int cwv, int gran, bool values = true) {
+                                                  int hv, int cb, int cwv, int gran, bool replay = true) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int parts = values ? 3 : 2;
+    const int parts = replay ? 3 : 2;
     for (int r = warp; r < parts * pend; r += RT / 32) {
         const int t = r / parts, part = r - parts * t;
         const IT* e = ring + (size_t)t * entry;
@@ -756,7 +757,7 @@ __device__ __forceinline__ void tile_pending_rows(unsigned char* dsm, const LT& 
     }
     cp_async_commit();
     float* sbeta = reinterpret_cast<float*>(dsm + L.sbeta);
-    if ((int)threadIdx.x < ntok && (values || (int)threadIdx.x >= pend)) {
+    if ((int)threadIdx.x < ntok && (replay || (int)threadIdx.x >= pend)) {
         const int t = (int)threadIdx.x;
         const IT* b = t < pend ? ring + (size_t)t * entry + ring_off_beta(p, hv)
                                : reinterpret_cast<const IT*>(p.beta) + (bos + (size_t)(t - pend)) * p.hv + hv;

@@ -26,8 +26,9 @@
 // plane (an opt-in `PoolConfig::ring_deltas`), where it measured 3-12% (ring decode), up to 21%
 // (one draft) and 2-18% (two to four drafts) faster than the kernels chosen before. Its time
 // is each item's fixed cost (the plan's dependent loads, the pending entries' rows and
-// activations, the pair sums), not the tile's bytes: a variant that loaded a 2-byte tile's words
-// late to fit three CTAs per SM was slower.
+// activations, the pair sums, the barriers between them), not the tile's bytes: variants that
+// fit three CTAs per SM by loading a 2-byte tile's words late (twenty-fourth session) or by
+// keeping the tile in shared memory (twenty-sixth) were slower.
 #include "kda_ring.cu"
 
 namespace kda {
@@ -139,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         for (int j = warp; j < have; j += RT / 32)
             copy_row(reinterpret_cast<unsigned char*>(ua + j * RCW), delta_row(p, slot, (kda_u32)j, hv, cb), 4 * cwv,
                      ugran, lane);
-        // the short path reads no pending values (its vectors replace them)
+        // the short path replays nothing: no pending values or betas (its vectors hold them)
         tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran, !fast);
     }
     cp_async_wait<0>();

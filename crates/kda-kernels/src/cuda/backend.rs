@@ -590,8 +590,8 @@ const MMA_SPEC_MIN_NEW: usize = 4;
 /// draft 6-21% faster than `kda_ring` at 12-32 and 2048-8192 items, 1.5% (fp16) and 3.5% (fp32)
 /// slower at 768 (docs/performance.md, twenty-fourth session). With two to four drafts it
 /// measured 2-18% faster than the kernel chosen before at 192-8192 items, fp32 and fp16 pools,
-/// `kda_ring_mma` included (twenty-fifth session). Replay keeps its kernels: from records without stored
-/// vectors the delta kernel replays as `kda_ring_tile` does, and measured slower.
+/// `kda_ring_mma` included (twenty-fifth session). Replay keeps its kernels: from records
+/// without stored vectors the delta kernel replays as `kda_ring_tile` does, and measured slower.
 fn delta_default(s: &RingShape, op: Op) -> bool {
     s.deltas && matches!(op, Op::Decode | Op::SpecVerify)
 }
