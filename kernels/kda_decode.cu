@@ -677,15 +677,18 @@ __device__ __forceinline__ kda_u32 sm_count() {
 }
 #endif
 
-// A slot index read before griddepcontrol.wait, from L2 (ld.global.cg): the slots buffer is
-// written by the host before the call, never by the grid this one may overlap.
-__device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) {
+// Element i of a buffer the host writes before the call (the slots, the sequence bounds), read
+// before griddepcontrol.wait, from L2 (ld.global.cg): never written by the grid this one may
+// overlap.
+__device__ __forceinline__ kda_u32 early_u32(kda_u64 buf, kda_u32 i) {
 #if KDA_GRID_DEPENDENCY
-    return __ldcg(reinterpret_cast<const kda_u32*>(p.slots) + seq);
+    return __ldcg(reinterpret_cast<const kda_u32*>(buf) + i);
 #else
-    return reinterpret_cast<const kda_u32*>(p.slots)[seq];
+    return reinterpret_cast<const kda_u32*>(buf)[i];
 #endif
 }
+// A slot index read before griddepcontrol.wait (early_u32).
+__device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) { return early_u32(p.slots, seq); }
 
 // A hint to L2 for what the first prepass of a CTA reads: the unit's rows (key of its q/k head,
 // values, gates and betas of its value heads) of ring entries 0..min(ring_len, TC), and the first

@@ -641,8 +641,8 @@ __device__ __forceinline__ void prefetch_ring_rows(const KdaParams& p, kda_u32 s
 
 // What an item of the one-item-per-CTA kernels knows (item = blockIdx.x): sequence n, its
 // slot, value head hv (q/k head h, group value heads per q/k head), first column cb, columns
-// cwv; once planned (tile_item_plan) the slot's ring record `meta` and the sequence's new
-// tokens bos .. bos + nnew.
+// cwv, the sequence's new tokens bos .. bos + nnew; once its plan's loads are issued
+// (tile_plan_loads) the slot's ring record `meta`.
 struct TileItem {
     kda_u32 item, per_seq, n, slot;
     int hv, cb, cwv, h;
@@ -651,8 +651,8 @@ struct TileItem {
     int group;
 };
 
-// The item's coordinates and slot (the host's: read before the wait, early_slot), a dependent
-// launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host checked);
+// The item's coordinates, slot and new tokens (the host's: read before the wait, early_u32), a
+// dependent launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host checked);
 // CTAS: the kernel's CTAs per SM (its launch bounds).
 template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p) {
     TileItem it;
@@ -664,7 +664,11 @@ template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem 
     it.cb = (int)(rem - (kda_u32)it.hv * p.vblocks) * RCW;
     it.cwv = WHOLE ? RCW : cmin(RCW, V - it.cb);
     it.slot = early_slot(p, it.n);
+    // (loaded with the slot: after the wait they were one more round trip before the new rows)
+    it.bos = early_u32(p.bounds, it.n);
+    it.nnew = early_u32(p.bounds, it.n + 1) - it.bos;
     it.h = (int)kda_div((kda_u32)it.hv, p.div_grp);
+    it.group = (int)(p.hv / p.h);
 #if KDA_GRID_DEPENDENCY
     if (p.early != 0u) {
         prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
@@ -679,21 +683,34 @@ template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem 
     return it;
 }
 
-// Thread 0 plans the item into s_plan; thread 32 reads exp(a_log) into s_aexp (in shared
-// memory: a register of every thread across the tile's loads spilled; on another warp than the
-// plan's, so neither load waits for the other); then the sequence's tokens.
-__device__ __forceinline__ void tile_item_plan(const KdaParams& p, TileItem& it, Plan& s_plan, float& s_aexp) {
+// What an item's plan needs, loaded after the wait: thread 0 the slot's ring record (length,
+// pending entries, accepted drafts), thread 32 a_log of the value head (on another warp than
+// the record's, so neither load waits for the other); nothing in the other threads.
+struct TilePlanLoads {
+    kda_u32 len, pend, acc;
+    float alog;
+};
+__device__ __forceinline__ TilePlanLoads tile_plan_loads(const KdaParams& p, TileItem& it) {
     it.meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)it.slot * 4;
+    TilePlanLoads l{0u, 0u, 0u, 0.0f};
     if (threadIdx.x == 0) {
-        const RingRec r = ring_rec_load(p, it.item, it.slot);
-        s_plan = plan_from(p, it.slot, r.b1 - r.b0, r.len, r.pend, r.acc, reinterpret_cast<kda_u32*>(p.err),
-                           it.hv == 0 && it.cb == 0);
+        const volatile kda_u32* vm = it.meta;
+        l.len = vm[0];
+        l.pend = vm[1];
+        l.acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[it.n] : 0u;
     }
-    if (threadIdx.x == 32) s_aexp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[it.hv]) : 0.0f;
-    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-    it.bos = bounds[it.n];
-    it.nnew = bounds[it.n + 1] - it.bos;
-    it.group = (int)(p.hv / p.h);
+    if (threadIdx.x == 32 && p.gate_mode) l.alog = reinterpret_cast<const float*>(p.a_log)[it.hv];
+    return l;
+}
+
+// Thread 0 plans the item into s_plan; thread 32 puts exp(a_log) into s_aexp (in shared memory:
+// a register of every thread across the tile's loads spilled).
+__device__ __forceinline__ void tile_plan_finish(const KdaParams& p, const TileItem& it, const TilePlanLoads& l,
+                                                 Plan& s_plan, float& s_aexp) {
+    if (threadIdx.x == 0)
+        s_plan = plan_from(p, it.slot, it.nnew, l.len, l.pend, l.acc, reinterpret_cast<kda_u32*>(p.err),
+                           it.hv == 0 && it.cb == 0);
+    if (threadIdx.x == 32) s_aexp = p.gate_mode ? expf(l.alog) : 0.0f;
 }
 
 // Once every ring read of the CTA is done: thread 0 arrives on the slot's counter and returns
@@ -871,20 +888,19 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     TileItem it = tile_item_begin(p);
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
-    tile_item_plan(p, it, s_plan, s_aexp);
+    // the plan's loads, the tile's, the new tokens' rows, then the plan (kda_ring_delta's order)
+    const TilePlanLoads pl0 = tile_plan_loads(p, it);
     const kda_u32 per_seq = it.per_seq, slot = it.slot, bos = it.bos, nnew = it.nnew;
     const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h, group = it.group;
     kda_u32* meta = it.meta;
-
-    // the tile's loads
     ST* head = state_head(p, slot, (size_t)hv);
     const int col0l = warp * WC + lv * TV, col0 = cb + col0l;
     float s[TK][TV];
     kda_u32 w[TW];
-    tile_load_lane(head, lk, col0l < cwv ? col0 : V, w, s);
     const int gran = (int)p.ring_gran;
     tile_new_rows(dsm, L, p, bos, nnew, h, hv, cb, cwv, gran);
     cp_async_commit();
+    tile_plan_finish(p, it, pl0, s_plan, s_aexp);
     __syncthreads();
     const Plan pl = s_plan;
     const int pend = (int)pl.pend, ntok = pend + (int)nnew;
@@ -893,6 +909,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     const size_t entry = ring_entry_elems(p);
     const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
     if (work) tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran);
+    tile_load_lane(head, lk, col0l < cwv ? col0 : V, w, s);
     cp_async_wait<0>();
     __syncthreads();
     const kda_u32 old = tile_arrive(meta);

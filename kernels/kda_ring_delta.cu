@@ -107,21 +107,24 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const DeltaLayout D(L, (int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
-    tile_item_plan(p, it, s_plan, s_aexp);
-    if (threadIdx.x == 64) s_cached = reinterpret_cast<const volatile kda_u32*>(it.meta)[3];
+    // the plan's loads (and thread 64 the entries with stored vectors), the tile's, the new
+    // rows' copies, then the plan: the warps of the plan (0) and of exp(a_log) (1) issued their
+    // loads and copies a round trip later when the plan came first
+    const TilePlanLoads pl0 = tile_plan_loads(p, it);
+    kda_u32 had = 0u;
+    if (threadIdx.x == 64) had = reinterpret_cast<const volatile kda_u32*>(it.meta)[3];
     const kda_u32 per_seq = it.per_seq, slot = it.slot, bos = it.bos, nnew = it.nnew;
     const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h, group = it.group;
     kda_u32* meta = it.meta;
-
-    // the tile's loads
     ST* head = state_head(p, slot, (size_t)hv);
     const int col0l = warp * WC + lv * TV, col0 = cb + col0l;
     float s[TK][TV];
     kda_u32 w[TW];
-    tile_load_lane(head, lk, col0l < cwv ? col0 : V, w, s);
     const int gran = (int)p.ring_gran;
     tile_new_rows(dsm, L, p, bos, nnew, h, hv, cb, cwv, gran);
     cp_async_commit();
+    tile_plan_finish(p, it, pl0, s_plan, s_aexp);
+    if (threadIdx.x == 64) s_cached = had;
     __syncthreads();
     const Plan pl = s_plan;
     const int pend = (int)pl.pend, ntok = pend + (int)nnew;
@@ -143,6 +146,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         // the short path replays nothing: no pending values or betas (its vectors hold them)
         tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran, !fast);
     }
+    tile_load_lane(head, lk, col0l < cwv ? col0 : V, w, s);
     cp_async_wait<0>();
     __syncthreads();
     const kda_u32 old = tile_arrive(meta);

@@ -309,17 +309,17 @@ extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mm
         if (p.early == 0u) prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
         const MmaLayout L((int)p.ring_mt, (int)p.ring_mq);
         const int mq = (int)p.ring_mq;
-        tile_item_plan(p, it, s_plan, s_aexp);
+        // the plan's loads, the new tokens' rows, then the plan (kda_ring_delta's order)
+        const TilePlanLoads pl0 = tile_plan_loads(p, it);
         const kda_u32 per_seq = it.per_seq, slot = it.slot, bos = it.bos, nnew = it.nnew;
         const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h, group = it.group;
         kda_u32* meta = it.meta;
-
-        // the new tokens' rows
         ST* head = state_head(p, slot, (size_t)hv);
         ST* tile = reinterpret_cast<ST*>(dsm + L.tile);
         const int gran = (int)p.ring_gran;
         tile_new_rows(dsm, L, p, bos, nnew, h, hv, cb, cwv, gran);
         cp_async_commit();
+        tile_plan_finish(p, it, pl0, s_plan, s_aexp);
         __syncthreads();
         const Plan pl = s_plan;
         const int pend = (int)pl.pend, ntok = pend + (int)nnew;
