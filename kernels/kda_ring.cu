@@ -582,11 +582,13 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
 // (`ring_choice` in backend.rs; docs/performance.md, eighteenth and nineteenth sessions). An
 // item is kda_ring's (sequence, value head, block of RCW columns), item = blockIdx.x, and the
 // grid covers the items: two CTAs per SM keep each other's loads in flight instead of a
-// pipeline. The state tile goes straight into registers while thread 0 reads the ring record
-// and the new tokens' rows are copied (cp.async); the pending entries' rows follow once the
-// plan is known. Then the keys and queries are activated a warp per row, the decays and
-// values over all threads, and each warp steps its columns through the tokens with kda_step's
-// token step: the same bits. Nearest rounding only, as kda_ring.
+// pipeline. Thread 0 reads the ring record while the new tokens' rows are copied (cp.async);
+// once the plan is known the pending entries' rows are copied and then the state tile goes
+// straight into registers (its loads after the rows', which the activations wait for: the
+// tile is needed only later; docs/performance.md, twenty-seventh session). Then the keys and
+// queries are activated a warp per row, the decays and values over all threads, and each warp
+// steps its columns through the tokens with kda_step's token step: the same bits. Nearest
+// rounding only, as kda_ring.
 // Ring data as in kda_ring: without a commit each CTA appends its part of the new entries; a
 // commit's entries are written by the CTA that arrives last on the slot's counter (each CTA
 // arrives once its ring reads are done, and looks at the result at its end), which also writes
@@ -652,8 +654,8 @@ struct TileItem {
 };
 
 // The item's coordinates, slot and new tokens (the host's: read before the wait, early_u32), a
-// dependent launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host checked);
-// CTAS: the kernel's CTAs per SM (its launch bounds).
+// dependent launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host
+// checked); CTAS: the kernel's CTAs per SM (its launch bounds).
 template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p) {
     TileItem it;
     it.item = blockIdx.x;
@@ -664,7 +666,7 @@ template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem 
     it.cb = (int)(rem - (kda_u32)it.hv * p.vblocks) * RCW;
     it.cwv = WHOLE ? RCW : cmin(RCW, V - it.cb);
     it.slot = early_slot(p, it.n);
-    // (loaded with the slot: after the wait they were one more round trip before the new rows)
+    // (with the slot: read after the wait they were a round trip on the way to the new rows)
     it.bos = early_u32(p.bounds, it.n);
     it.nnew = early_u32(p.bounds, it.n + 1) - it.bos;
     it.h = (int)kda_div((kda_u32)it.hv, p.div_grp);
@@ -685,7 +687,8 @@ template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem 
 
 // What an item's plan needs, loaded after the wait: thread 0 the slot's ring record (length,
 // pending entries, accepted drafts), thread 32 a_log of the value head (on another warp than
-// the record's, so neither load waits for the other); nothing in the other threads.
+// the record's, so neither load waits for the other); nothing in the other threads. The
+// kernels issue their new rows' copies before they wait for these (tile_plan_finish).
 struct TilePlanLoads {
     kda_u32 len, pend, acc;
     float alog;
@@ -888,7 +891,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     TileItem it = tile_item_begin(p);
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
-    // the plan's loads, the tile's, the new tokens' rows, then the plan (kda_ring_delta's order)
+    // the plan's loads, the new tokens' rows, the plan; the tile after the pending rows (below)
     const TilePlanLoads pl0 = tile_plan_loads(p, it);
     const kda_u32 per_seq = it.per_seq, slot = it.slot, bos = it.bos, nnew = it.nnew;
     const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h, group = it.group;

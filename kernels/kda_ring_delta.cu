@@ -107,9 +107,10 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const DeltaLayout D(L, (int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
-    // the plan's loads (and thread 64 the entries with stored vectors), the tile's, the new
-    // rows' copies, then the plan: the warps of the plan (0) and of exp(a_log) (1) issued their
-    // loads and copies a round trip later when the plan came first
+    // the plan's loads (and thread 64 the entries with stored vectors), the new rows' copies,
+    // then the plan; the tile's loads only after the pending rows' copies (below): issued before
+    // them, as until the twenty-seventh session, ring decode was up to 8% and spec_verify up to
+    // 13% slower on the H200 (docs/performance.md)
     const TilePlanLoads pl0 = tile_plan_loads(p, it);
     kda_u32 had = 0u;
     if (threadIdx.x == 64) had = reinterpret_cast<const volatile kda_u32*>(it.meta)[3];
@@ -146,6 +147,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         // the short path replays nothing: no pending values or betas (its vectors hold them)
         tile_pending_rows(dsm, L, p, ring, entry, pend, ntok, mq, bos, h, hv, cb, cwv, gran, !fast);
     }
+    // the tile, first needed by the products after the activations
     tile_load_lane(head, lk, col0l < cwv ? col0 : V, w, s);
     cp_async_wait<0>();
     __syncthreads();

@@ -309,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mm
         if (p.early == 0u) prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
         const MmaLayout L((int)p.ring_mt, (int)p.ring_mq);
         const int mq = (int)p.ring_mq;
-        // the plan's loads, the new tokens' rows, then the plan (kda_ring_delta's order)
+        // the plan's loads, the new tokens' rows, then the plan (as kda_ring_tile)
         const TilePlanLoads pl0 = tile_plan_loads(p, it);
         const kda_u32 per_seq = it.per_seq, slot = it.slot, bos = it.bos, nnew = it.nnew;
         const int hv = it.hv, cb = it.cb, cwv = it.cwv, h = it.h, group = it.group;
