@@ -1218,8 +1218,8 @@ impl CudaBackend {
         // shared memory was checked against the device's opt-in limit and their copies against
         // the shape (`eager_plan`, `ring_plan`); every KDA kernel runs
         // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs, before any access
-        // that could see the previous grid's writes (before it: the host-written slots and L2
-        // prefetches, with `early`).
+        // that could see the previous grid's writes (before it: the host-written slots and
+        // sequence bounds, and L2 prefetches with `early`).
         unsafe { launch_kda(s, &func, cfg, &params, dependent) }
             .map_err(|e| device_err(&format!("{name} launch"), e))?;
         Ok(())
