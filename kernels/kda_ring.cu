@@ -672,7 +672,7 @@ template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem 
     it.h = (int)kda_div((kda_u32)it.hv, p.div_grp);
     it.group = (int)(p.hv / p.h);
 #if KDA_GRID_DEPENDENCY
-    if (p.early != 0u) {
+    if (p.early != 0u && it.item < (kda_u32)CTAS * sm_count()) {
         prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
         // the ring rows only from the CTAs that can start before the previous grid ends (the
         // first CTAS per SM): a later CTA's wait returns at once, and the rows' prefetch loop
