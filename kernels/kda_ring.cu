@@ -672,12 +672,14 @@ template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem 
     it.h = (int)kda_div((kda_u32)it.hv, p.div_grp);
     it.group = (int)(p.hv / p.h);
 #if KDA_GRID_DEPENDENCY
+    // only from the CTAs that can start before the previous grid ends (the first CTAS per SM):
+    // a later CTA's wait returns at once. Its ring rows' prefetch loop was ~16% of
+    // kda_ring_delta's instructions in ring decode (3-8% faster without, twenty-sixth session),
+    // and its tile's prefetch, right at its start, competed with the rows its activations wait
+    // for (1.6-6.8% faster without, twenty-seventh session; docs/performance.md). (The inner
+    // test again is what was measured: without it the SASS differs.)
     if (p.early != 0u && it.item < (kda_u32)CTAS * sm_count()) {
         prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
-        // the ring rows only from the CTAs that can start before the previous grid ends (the
-        // first CTAS per SM): a later CTA's wait returns at once, and the rows' prefetch loop
-        // was ~16% of kda_ring_delta's instructions in ring decode (docs/performance.md,
-        // twenty-sixth session: 3-8% faster from 768 items)
         if (it.item < (kda_u32)CTAS * sm_count()) prefetch_ring_rows(p, it.slot, it.h, it.hv, it.cb, it.cwv);
     }
 #endif
