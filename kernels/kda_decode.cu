@@ -400,18 +400,29 @@ struct Plan {
 };
 
 __device__ __forceinline__ float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
+// softplus from the approximate exp and log (ex2.approx, lg2.approx): about 1e-7 absolute where
+// it is small (what the decay exp(-a softplus) needs), 40 instructions fewer.
+__device__ __forceinline__ float softplus_fast(float z) { return z > 20.0f ? z : __logf(1.0f + __expf(z)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // act_row's arithmetic on a loaded row x (the lane's KL elements): l2-normalised when asked,
-// times `scale` when `scaled`, into dst.
+// times `scale` when `scaled`, into dst. FAST: times an approximate reciprocal square root
+// instead of divided by the IEEE square root (within a few ulp; not the CPU backend's bits).
+template <bool FAST = false>
 __device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, bool scaled, float scale, int lane) {
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < KL; ++i) ss += x[i] * x[i];
     if (l2) {
-        const float nrm = sqrtf(warp_sum(ss) + 1e-6f);
+        if constexpr (FAST) {
+            const float rn = rsqrtf(warp_sum(ss) + 1e-6f);
 #pragma unroll
-        for (int i = 0; i < KL; ++i) x[i] = x[i] / nrm;
+            for (int i = 0; i < KL; ++i) x[i] *= rn;
+        } else {
+            const float nrm = sqrtf(warp_sum(ss) + 1e-6f);
+#pragma unroll
+            for (int i = 0; i < KL; ++i) x[i] = x[i] / nrm;
+        }
     }
 #pragma unroll
     for (int i = 0; i < KL; ++i) {
@@ -422,7 +433,8 @@ __device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, 
 
 // One warp activates a key (`scaled` false) or a query (`scaled` true: times `scale`) row of K
 // elements at src into dst: l2-normalised when asked. Shared by every kernel, so the eager
-// kernels and the ring kernel produce the same bits.
+// kernels and the ring kernel produce the same bits (FAST: act_finish's).
+template <bool FAST = false>
 __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool scaled, float scale,
                                         int lane) {
     float x[KL];
@@ -431,28 +443,32 @@ __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool
         const int kk = lane + 32 * i;
         x[i] = kk < K ? kda_load(src[kk]) : 0.0f;
     }
-    act_finish(x, dst, l2, scaled, scale, lane);
+    act_finish<FAST>(x, dst, l2, scaled, scale, lane);
 }
 
 // The decay exp(g) of a raw gate; *bias (its dt_bias) is read only when the gate is not
-// already activated.
+// already activated. FAST: from the approximate exp and log (about 2e-7 relative where the
+// decay is near 1, a_exp x 1e-7 in general; not the CPU backend's bits).
+template <bool FAST = false>
 __device__ __forceinline__ float decay_at(float raw, const float* bias, const KdaParams& p, float a_exp) {
     float lg;
     if (p.gate_mode == 1u) {
-        lg = -a_exp * softplus(raw + *bias);
+        lg = -a_exp * (FAST ? softplus_fast(raw + *bias) : softplus(raw + *bias));
     } else if (p.gate_mode == 2u) {
-        lg = p.lower_bound * sigmoid(a_exp * (raw + *bias));
+        const float z = a_exp * (raw + *bias);
+        lg = p.lower_bound * (FAST ? __fdividef(1.0f, 1.0f + __expf(-z)) : sigmoid(z));
     } else {
         lg = raw;
     }
-    return expf(lg);
+    return FAST ? __expf(lg) : expf(lg);
 }
 
 // The decay exp(g) of element kk of a row of raw gates (bias: f32 [K], unused when the gate
 // is already activated).
+template <bool FAST = false>
 __device__ __forceinline__ float decay_of(const IT* src, const float* bias, int kk, const KdaParams& p,
                                           float a_exp) {
-    return decay_at(kda_load(src[kk]), bias + kk, p, a_exp);
+    return decay_at<FAST>(kda_load(src[kk]), bias + kk, p, a_exp);
 }
 
 // One warp computes the decay exp(g) of a row of K raw gates (bias: f32 [K], unused when the

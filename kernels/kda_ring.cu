@@ -832,7 +832,8 @@ struct TileRows {
 // kda_ring_tile's and kda_ring_delta's activations (RingTileLayout): the keys (combined token t
 // from raw row t < pend ? mq + t : t - pend) and the new tokens' queries a warp per row into
 // ka and qa; the decays and the values (of combined tokens vfrom..) over all threads into da
-// and va. Not followed by a barrier.
+// and va. Not followed by a barrier. FAST: act_row's and decay_of's approximate arithmetic.
+template <bool FAST = false>
 __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTileLayout& L, const TileRows& r,
                                               const KdaParams& p, int pend, int ntok, int nnew, int mq, int cwv,
                                               float a_exp, int warp, int lane, int vfrom = 0) {
@@ -841,18 +842,18 @@ __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTile
     auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
     for (int u = warp; u < ntok + nnew; u += RT / 32) {
         if (u < ntok) {
-            act_row(reinterpret_cast<const IT*>(raw(u)), ka + u * KS, p.l2norm != 0u, false, p.scale, lane);
+            act_row<FAST>(reinterpret_cast<const IT*>(raw(u)), ka + u * KS, p.l2norm != 0u, false, p.scale, lane);
             for (int kk = K + lane; kk < KS; kk += 32) ka[u * KS + kk] = 0.0f;
         } else {
             const int f = u - ntok;
-            act_row(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true, p.scale,
+            act_row<FAST>(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true, p.scale,
                     lane);
             for (int kk = K + lane; kk < KS; kk += 32) qa[f * KS + kk] = 0.0f;
         }
     }
     for (int i = (int)threadIdx.x; i < ntok * KS; i += RT) {
         const int t = i / KS, kk = i - t * KS;
-        da[i] = kk < K ? decay_of(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
+        da[i] = kk < K ? decay_of<FAST>(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
     }
     for (int i = vfrom * RCW + (int)threadIdx.x; i < ntok * RCW; i += RT) {
         const int t = i / RCW, c = i - t * RCW;

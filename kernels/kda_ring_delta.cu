@@ -19,7 +19,8 @@
 // replays them with kda_step's token step, as kda_ring_tile does, and stores their vectors on
 // the way, so the next call takes the short path. Any number of new tokens per sequence
 // (decode, spec_verify) or none (replay). Nearest rounding only, as kda_ring_tile. The f32
-// arithmetic differs from kda_step's order on the short path, so the bits do too.
+// arithmetic differs from kda_step's order on the short path, so the bits do too; with a 2-byte
+// pool the activations (l2norm, decays) use approximate exp, log and rsqrt as well.
 //
 // Where it runs (`delta_default` in backend.rs; docs/performance.md, twenty-fourth and
 // twenty-fifth sessions): by default for ring decode and spec_verify on pools with a delta
@@ -155,7 +156,12 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     if (work) {
         const TileRows rows(dsm, L);
         float *ka = rows.ka, *da = rows.da, *qa = rows.qa, *va = rows.va;
-        tile_activate(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane, fast ? pend : 0);
+        // 2-byte pools: the activations from approximate exp, log and rsqrt, 2-5% faster on the
+        // H200, with errors far below a 2-byte state's rounding. fp32 pools keep the CPU
+        // backend's arithmetic: approximate, their outputs moved up to 7.2e-6 from the CPU's
+        // (3.6e-7 before), near the 1e-5 allowed (docs/performance.md, twenty-eighth session).
+        tile_activate<sizeof(ST) == 2>(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane,
+                                       fast ? pend : 0);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
