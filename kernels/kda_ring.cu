@@ -846,8 +846,8 @@ __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTile
             for (int kk = K + lane; kk < KS; kk += 32) ka[u * KS + kk] = 0.0f;
         } else {
             const int f = u - ntok;
-            act_row<FAST>(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true, p.scale,
-                    lane);
+            act_row<FAST>(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true,
+                          p.scale, lane);
             for (int kk = K + lane; kk < KS; kk += 32) qa[f * KS + kk] = 0.0f;
         }
     }

@@ -158,8 +158,9 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         float *ka = rows.ka, *da = rows.da, *qa = rows.qa, *va = rows.va;
         // 2-byte pools: the activations from approximate exp, log and rsqrt, 2-5% faster on the
         // H200, with errors far below a 2-byte state's rounding. fp32 pools keep the CPU
-        // backend's arithmetic: approximate, their outputs moved up to 7.2e-6 from the CPU's
-        // (3.6e-7 before), near the 1e-5 allowed (docs/performance.md, twenty-eighth session).
+        // backend's arithmetic: the approximate one moved their outputs up to 7.2e-6 from the
+        // CPU's (3.6e-7 with it), near the 1e-5 allowed (docs/performance.md, twenty-eighth
+        // session).
         tile_activate<sizeof(ST) == 2>(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane,
                                        fast ? pend : 0);
         __syncthreads();
