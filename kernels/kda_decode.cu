@@ -399,11 +399,14 @@ struct Plan {
     kda_u32 new_len, new_pending;
 };
 
-__device__ __forceinline__ float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
-// softplus from the approximate exp and log (ex2.approx, lg2.approx): within about 2e-7
+// FAST: from the approximate exp and log (ex2.approx, lg2.approx): softplus within about 2e-7
 // absolute (what the decay exp(-a softplus) needs), about 35 instructions fewer on sm_90.
-__device__ __forceinline__ float softplus_fast(float z) { return z > 20.0f ? z : __logf(1.0f + __expf(z)); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+template <bool FAST = false> __device__ __forceinline__ float softplus(float z) {
+    return z > 20.0f ? z : FAST ? __logf(1.0f + __expf(z)) : log1pf(expf(z));
+}
+template <bool FAST = false> __device__ __forceinline__ float sigmoid(float x) {
+    return FAST ? __fdividef(1.0f, 1.0f + __expf(-x)) : 1.0f / (1.0f + expf(-x));
+}
 
 // act_row's arithmetic on a loaded row x (the lane's KL elements): l2-normalised when asked,
 // times `scale` when `scaled`, into dst. FAST: times an approximate reciprocal square root
@@ -447,16 +450,15 @@ __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool
 }
 
 // The decay exp(g) of a raw gate; *bias (its dt_bias) is read only when the gate is not
-// already activated. FAST: from the approximate exp and log (softplus_fast: about a_exp x 2e-7
+// already activated. FAST: from the approximate exp and log (softplus's: about a_exp x 2e-7
 // relative; not the CPU backend's bits).
 template <bool FAST = false>
 __device__ __forceinline__ float decay_at(float raw, const float* bias, const KdaParams& p, float a_exp) {
     float lg;
     if (p.gate_mode == 1u) {
-        lg = -a_exp * (FAST ? softplus_fast(raw + *bias) : softplus(raw + *bias));
+        lg = -a_exp * softplus<FAST>(raw + *bias);
     } else if (p.gate_mode == 2u) {
-        const float z = a_exp * (raw + *bias);
-        lg = p.lower_bound * (FAST ? __fdividef(1.0f, 1.0f + __expf(-z)) : sigmoid(z));
+        lg = p.lower_bound * sigmoid<FAST>(a_exp * (raw + *bias));
     } else {
         lg = raw;
     }
