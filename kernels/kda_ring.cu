@@ -832,8 +832,9 @@ struct TileRows {
 // kda_ring_tile's and kda_ring_delta's activations (RingTileLayout): the keys (combined token t
 // from raw row t < pend ? mq + t : t - pend) and the new tokens' queries a warp per row into
 // ka and qa; the decays and the values (of combined tokens vfrom..) over all threads into da
-// and va. Not followed by a barrier. FAST: act_row's and decay_of's approximate arithmetic.
-template <bool FAST = false>
+// and va. Not followed by a barrier. FAST: act_row's and decay_of's approximate arithmetic;
+// FAST_NORM: act_row's alone.
+template <bool FAST = false, bool FAST_NORM = FAST>
 __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTileLayout& L, const TileRows& r,
                                               const KdaParams& p, int pend, int ntok, int nnew, int mq, int cwv,
                                               float a_exp, int warp, int lane, int vfrom = 0) {
@@ -842,12 +843,13 @@ __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTile
     auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
     for (int u = warp; u < ntok + nnew; u += RT / 32) {
         if (u < ntok) {
-            act_row<FAST>(reinterpret_cast<const IT*>(raw(u)), ka + u * KS, p.l2norm != 0u, false, p.scale, lane);
+            act_row<FAST_NORM>(reinterpret_cast<const IT*>(raw(u)), ka + u * KS, p.l2norm != 0u, false, p.scale,
+                               lane);
             for (int kk = K + lane; kk < KS; kk += 32) ka[u * KS + kk] = 0.0f;
         } else {
             const int f = u - ntok;
-            act_row<FAST>(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u, true,
-                          p.scale, lane);
+            act_row<FAST_NORM>(reinterpret_cast<const IT*>(dsm + L.qrow + f * RK), qa + f * KS, p.l2norm != 0u,
+                               true, p.scale, lane);
             for (int kk = K + lane; kk < KS; kk += 32) qa[f * KS + kk] = 0.0f;
         }
     }

@@ -19,8 +19,8 @@
 // replays them with kda_step's token step, as kda_ring_tile does, and stores their vectors on
 // the way, so the next call takes the short path. Any number of new tokens per sequence
 // (decode, spec_verify) or none (replay). Nearest rounding only, as kda_ring_tile. The f32
-// arithmetic differs from kda_step's order on the short path, so the bits do too; with a 2-byte
-// pool the activations (l2norm, decays) use approximate exp, log and rsqrt as well.
+// arithmetic differs from kda_step's order on the short path, so the bits do too; the l2norm
+// uses an approximate rsqrt as well, and with a 2-byte pool the decays approximate exp and log.
 //
 // Where it runs (`delta_default` in backend.rs; docs/performance.md, twenty-fourth and
 // twenty-fifth sessions): by default for ring decode and spec_verify on pools with a delta
@@ -156,13 +156,14 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     if (work) {
         const TileRows rows(dsm, L);
         float *ka = rows.ka, *da = rows.da, *qa = rows.qa, *va = rows.va;
-        // 2-byte pools: the activations from approximate exp, log and rsqrt, 2-5% faster on the
-        // H200, with errors far below a 2-byte state's rounding. fp32 pools keep the CPU
-        // backend's arithmetic: the approximate one moved their outputs up to 7.2e-6 from the
-        // CPU's (3.6e-7 with it), near the 1e-5 allowed (docs/performance.md, twenty-eighth
-        // session).
-        tile_activate<sizeof(ST) == 2>(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane,
-                                       fast ? pend : 0);
+        // The l2norm from an approximate rsqrt for every pool; the decays from approximate exp
+        // and log for 2-byte pools only (2-5% faster there, with errors far below a 2-byte
+        // state's rounding). fp32 pools keep the CPU backend's decays: approximate ones moved
+        // their outputs up to 7.2e-6 from the CPU's, near the 1e-5 allowed; with the rsqrt
+        // alone they stay at 3.6e-7 (docs/performance.md, twenty-eighth and twenty-ninth
+        // sessions).
+        tile_activate<sizeof(ST) == 2, true>(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp,
+                                             lane, fast ? pend : 0);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
@@ -267,6 +268,22 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
             if (col0l < cwv) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
         }
         __syncthreads();
+        // SCATTER: the one element a lane writes per new token (a k lane its column's delta
+        // vector, a q lane its column's output), a token (hv V elements) further each token; its
+        // address once here, not per token (spec_verify 1-2.5% faster, twenty-ninth session)
+        unsigned char* wrow = nullptr;
+        size_t wstep = 0;
+        if constexpr (SCATTER) {
+            const int mc = lk & 3;
+            if (lk >= 4) {
+                wrow = reinterpret_cast<unsigned char*>(reinterpret_cast<IT*>(p.out) +
+                                                        ((size_t)bos * p.hv + hv) * V + col0 + mc);
+                wstep = (size_t)p.hv * V * sizeof(IT);
+            } else if (pl.append_at != KDA_NONE) {
+                wrow = reinterpret_cast<unsigned char*>(delta_row(p, slot, pl.append_at, hv, col0) + mc);
+                wstep = (size_t)p.hv * V * 4;
+            }
+        }
         // the new tokens in order: two products with the tile (frame S) each, then its vector
         // (kept in ua row t for the tokens after it) and output
         for (int i = 0; i < nn; ++i) {
@@ -287,7 +304,6 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
                     }
             }
             const float bt = sbeta[t], qkt = qk[i];
-            IT* orow = reinterpret_cast<IT*>(p.out) + ((size_t)(bos + i) * p.hv + hv) * V;
             if constexpr (SCATTER) {
                 // lane lk of a column group ends with one sum: k S of column lk (lk < 4) or
                 // q S of column lk - 4, and steps that column alone
@@ -302,12 +318,13 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
                 const float uq = KDA_SHFL_XOR(u, 4 * LV);
                 if (!isq) {
                     ua[t * RCW + col0l + mc] = u;
-                    if (valid && pl.append_at != KDA_NONE)
-                        delta_row(p, slot, pl.append_at + (kda_u32)i, hv, col0)[mc] = u;
+                    if (valid && wrow != nullptr) *reinterpret_cast<float*>(wrow) = u;
                 } else if (valid) {
-                    orow[col0 + mc] = KdaElem<IT>::from_f32(fmaf(qkt, uq, a));
+                    *reinterpret_cast<IT*>(wrow) = KdaElem<IT>::from_f32(fmaf(qkt, uq, a));
                 }
+                wrow += wstep;
             } else {
+                IT* orow = reinterpret_cast<IT*>(p.out) + ((size_t)(bos + i) * p.hv + hv) * V;
                 reduce_k(ak);
                 reduce_k(aq);
                 for (int j = base; j < t; ++j) {
