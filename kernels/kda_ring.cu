@@ -832,9 +832,9 @@ struct TileRows {
 // kda_ring_tile's and kda_ring_delta's activations (RingTileLayout): the keys (combined token t
 // from raw row t < pend ? mq + t : t - pend) and the new tokens' queries a warp per row into
 // ka and qa; the decays and the values (of combined tokens vfrom..) over all threads into da
-// and va. Not followed by a barrier. FAST: act_row's and decay_of's approximate arithmetic;
-// FAST_NORM: act_row's alone.
-template <bool FAST = false, bool FAST_NORM = FAST>
+// and va. Not followed by a barrier. FAST_NORM, FAST_DECAY: act_row's, decay_of's approximate
+// arithmetic.
+template <bool FAST_NORM = false, bool FAST_DECAY = false>
 __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTileLayout& L, const TileRows& r,
                                               const KdaParams& p, int pend, int ntok, int nnew, int mq, int cwv,
                                               float a_exp, int warp, int lane, int vfrom = 0) {
@@ -855,7 +855,7 @@ __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTile
     }
     for (int i = (int)threadIdx.x; i < ntok * KS; i += RT) {
         const int t = i / KS, kk = i - t * KS;
-        da[i] = kk < K ? decay_of<FAST>(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
+        da[i] = kk < K ? decay_of<FAST_DECAY>(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
     }
     for (int i = vfrom * RCW + (int)threadIdx.x; i < ntok * RCW; i += RT) {
         const int t = i / RCW, c = i - t * RCW;

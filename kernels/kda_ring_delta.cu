@@ -162,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         // their outputs up to 7.2e-6 from the CPU's, near the 1e-5 allowed; with the rsqrt
         // alone they stay at 3.6e-7 (docs/performance.md, twenty-eighth and twenty-ninth
         // sessions).
-        tile_activate<sizeof(ST) == 2, true>(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp,
+        tile_activate<true, sizeof(ST) == 2>(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp,
                                              lane, fast ? pend : 0);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
