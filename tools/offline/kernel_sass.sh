@@ -5,6 +5,8 @@
 # SASS of the kernels in use identical needs no new measurement).
 #   tools/offline/kernel_sass.sh regs [REV]          registers of REV (default: the working tree)
 #   tools/offline/kernel_sass.sh cmp REV_A [REV_B]   SASS of every kernel, REV_A against REV_B (or the tree)
+# NVRTC, the device's compiler, can refuse what nvcc compiles here: before a device call also run
+# the registry's NVRTC test (`.ci/run` shows how to get NVRTC without CUDA).
 # Variants: K = V = 128; fp32 / fp16 / bf16 K-first and fp32 / fp16 V-first states, bf16 inputs
 # for 2-byte states (as the bench).
 set -euo pipefail
@@ -92,7 +94,7 @@ cmp)
     done
     ;;
 *)
-    sed -n '2,8p' "$0"
+    sed -n '2,11p' "$0"
     exit 2
     ;;
 esac
