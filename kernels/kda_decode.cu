@@ -1922,3 +1922,235 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_STREAM_CTAS) kda_eager_tile_stream(const KdaParams p) {
     eager_tile_run<MOVE_STREAM>(p);
 }
+
+// ---------------------------------------------------------------------------------------------
+// kda_eager_bulk_pipe: eager decode of whole heads (cw = V) by persistent CTAs whose warps each
+// have one role, over a ring of p.stages buffers in shared memory (a head's bulk tile, its
+// token's input rows and scalars). With G step groups (blockDim.x = (8 G + 2) 32) item t of the
+// CTA (blockIdx.x + t gridDim.x) goes to buffer t % p.stages and step group t % G:
+// - the loader warp (warp 8 G): reads the slots, betas and a_logs of its next 32 items at once
+//   (one round trip per 32 items), then for each item waits until its buffer is empty and
+//   fills it by bulk copies (the tile, the key, query, gate and value rows, the gate biases),
+//   which complete on the buffer's `full` barrier;
+// - the step groups (8 warps each, their own named barrier): activate the inputs from the
+//   buffer, run token_step_stream on its tile (written back in place) and store the outputs,
+//   then mark the buffer `computed`;
+// - the storer warp (warp 8 G + 1): bulk-stores each computed tile to its head, in order, and
+//   marks the buffer `empty` once the copies have read it.
+// So the loads of the next items, the steps of these and the stores of the last ones overlap in
+// every CTA, and no CTA exits between two heads. Waits are on a barrier phase's parity, so no
+// waiter may be two phases behind: p.stages is a multiple of G (the host's `pipe_buffers`),
+// and a group's wait on a buffer follows its own earlier item there. The same functions as the
+// other eager kernels in the same order, so the same bits. sm_90 and later only (the host
+// launches it only where bulk copies exist).
+constexpr int PIPE_WARPS = 8;      // warps of one step group
+constexpr int PIPE_MAX_GROUPS = 3; // step groups per CTA: (blockDim.x / 32 - 2) / PIPE_WARPS
+constexpr int PIPE_THREADS = (PIPE_MAX_GROUPS * PIPE_WARPS + 2) * 32;
+constexpr int PIPE_MAX_BUFFERS = 8;
+constexpr kda_u32 PIPE_ALIGN = 128;
+
+// One buffer's layout (bytes from its start): the bulk tile of a whole head (bulk_row layout,
+// K-first), the key, query and gate rows, the value row, the gate biases, then the scalars
+// (raw beta bits, a_log, slot).
+struct PipeBuffer {
+    int k, q, g, v, bias, scal, bytes;
+    __device__ __forceinline__ PipeBuffer() {
+        const int tile = (K * V + (VFIRST ? 0 : LK * WC)) * (int)sizeof(ST);
+        k = roundup(tile, 16);
+        q = k + roundup(K * (int)sizeof(IT), 16);
+        g = q + roundup(K * (int)sizeof(IT), 16);
+        v = g + roundup(K * (int)sizeof(IT), 16);
+        bias = v + roundup(V * (int)sizeof(IT), 16);
+        scal = bias + roundup(K * 4, 16);
+        bytes = roundup(scal + 16, 128);
+    }
+};
+
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_wait(kda_u64* bar, kda_u32 parity) {
+    kda_u32 done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+    }
+}
+__device__ __forceinline__ void mbar_arrive(kda_u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// A step group's own barrier (named barrier 1 + group), leaving the other warps out.
+__device__ __forceinline__ void pipe_step_sync(int group) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(PIPE_WARPS * 32) : "memory");
+}
+
+// The loader warp: fills the buffers with this CTA's items in order.
+__device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
+                                          kda_u32 total, int nb, int lane) {
+    const PipeBuffer L;
+    const kda_u32 step = gridDim.x;
+    kda_u32 t = 0;
+    for (kda_u32 base = blockIdx.x; base < total; base += 32u * step) {
+        // the scalars of items base + l step, lane l
+        const kda_u32 mine = base + (kda_u32)lane * step;
+        kda_u32 slot = 0u, braw = 0u, alog = 0u;
+        if (mine < total) {
+            const kda_u32 n = eager_seq(p, mine), hv = mine - n * p.hv;
+            slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+            braw = input_bits(reinterpret_cast<const IT*>(p.beta) + (size_t)n * p.hv + hv);
+            if (p.gate_mode != 0u) alog = reinterpret_cast<const kda_u32*>(p.a_log)[hv];
+        }
+        const kda_u32 cnt = cmin(32, (int)((total - base + step - 1) / step));
+        for (kda_u32 i = 0; i < cnt; ++i, ++t) {
+            const kda_u32 item = base + i * step;
+            const kda_u32 s = KDA_SHFL(slot, (int)i), b = KDA_SHFL(braw, (int)i), a = KDA_SHFL(alog, (int)i);
+            const int bi = (int)(t % (kda_u32)nb);
+            const kda_u32 round = t / (kda_u32)nb;
+            unsigned char* buf = dsm + bi * L.bytes;
+            if (round > 0u) mbar_wait(&empty[bi], (round - 1u) & 1u);
+            const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
+            const size_t h = kda_div(hv, p.div_grp);
+            const bool gated = p.gate_mode != 0u;
+            if (lane == 0) {
+                kda_u32* sc = reinterpret_cast<kda_u32*>(buf + L.scal);
+                sc[0] = b;
+                sc[1] = a;
+                sc[2] = s;
+                const kda_u32 rows = (kda_u32)(3 * K + V) * sizeof(IT) + (gated ? (kda_u32)K * 4u : 0u);
+                bulk_bar_expect(&full[bi], (kda_u32)(K * V) * sizeof(ST) + rows);
+            }
+            KDA_SYNCWARP();
+            ST* const head = state_head(p, s, hv);
+            ST* const tile = reinterpret_cast<ST*>(buf);
+            if constexpr (VFIRST) {
+                if (lane == 0) bulk_in(tile, head, (kda_u32)(K * V) * sizeof(ST), &full[bi]);
+            } else {
+                for (int r = lane * TK; r < K; r += 32 * TK)
+                    bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(cmin(TK, K - r) * V) * sizeof(ST),
+                            &full[bi]);
+            }
+            const size_t tk = (size_t)n * p.h + h, tv = (size_t)n * p.hv + hv;
+            const kda_u32 kb = (kda_u32)K * sizeof(IT);
+            if (lane == 27) bulk_in(buf + L.k, reinterpret_cast<const IT*>(p.k) + tk * K, kb, &full[bi]);
+            if (lane == 28) bulk_in(buf + L.q, reinterpret_cast<const IT*>(p.q) + tk * K, kb, &full[bi]);
+            if (lane == 29) bulk_in(buf + L.g, reinterpret_cast<const IT*>(p.g) + tv * K, kb, &full[bi]);
+            if (lane == 30)
+                bulk_in(buf + L.v, reinterpret_cast<const IT*>(p.v) + tv * V, (kda_u32)V * sizeof(IT), &full[bi]);
+            if (lane == 31 && gated)
+                bulk_in(buf + L.bias, reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, (kda_u32)K * 4u,
+                        &full[bi]);
+        }
+    }
+}
+
+// The storer warp: stores each computed tile to its head, then frees its buffer.
+__device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* dsm, kda_u64* computed,
+                                           kda_u64* empty, kda_u32 total, int nb, int lane) {
+    const PipeBuffer L;
+    kda_u32 t = 0;
+    for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
+        const int bi = (int)(t % (kda_u32)nb);
+        unsigned char* buf = dsm + bi * L.bytes;
+        mbar_wait(&computed[bi], (t / (kda_u32)nb) & 1u);
+        const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
+        const kda_u32 s = reinterpret_cast<const kda_u32*>(buf + L.scal)[2];
+        ST* const head = state_head(p, s, hv);
+        const ST* const tile = reinterpret_cast<const ST*>(buf);
+        if constexpr (VFIRST) {
+            if (lane == 0) bulk_out(head, tile, (kda_u32)(K * V) * sizeof(ST));
+        } else {
+            for (int r = lane * TK; r < K; r += 32 * TK)
+                bulk_out(head + (size_t)r * V, tile + bulk_row(r, V), (kda_u32)(cmin(TK, K - r) * V) * sizeof(ST));
+        }
+        bulk_out_done();
+        KDA_SYNCWARP();
+        if (lane == 0) mbar_arrive(&empty[bi]);
+    }
+}
+
+// The token-step warps: each item's activation and token step, in the buffer.
+__device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* computed,
+                                          kda_u32 total, int nb, int groups, int gw, int lane) {
+    __shared__ __align__(16) float sk[PIPE_MAX_GROUPS][KS], sd[PIPE_MAX_GROUPS][KS], sq[PIPE_MAX_GROUPS][KS],
+        sv[PIPE_MAX_GROUPS][VS];
+    __shared__ float sbeta[PIPE_MAX_GROUPS];
+    const int group = gw / PIPE_WARPS, warp = gw % PIPE_WARPS;
+    float *const ak = sk[group], *const ad = sd[group], *const aq = sq[group], *const av = sv[group];
+    float& abeta = sbeta[group];
+    const PipeBuffer L;
+    const int lk = lane / LV, lv = lane % LV;
+    const int col0l = warp * WC + lv * TV;
+    const int bcol = col0l < V ? col0l : V;
+    const bool l2 = p.l2norm != 0u;
+    const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+    // the group's items: the CTA's items t = group, group + groups, ...
+    kda_u32 t = (kda_u32)group;
+    for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total;
+         item += (kda_u32)groups * gridDim.x, t += (kda_u32)groups) {
+        const int bi = (int)(t % (kda_u32)nb);
+        unsigned char* buf = dsm + bi * L.bytes;
+        mbar_wait(&full[bi], (t / (kda_u32)nb) & 1u);
+        const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
+        const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + L.scal);
+        if (warp == 0) {
+            act_row(reinterpret_cast<const IT*>(buf + L.k), ak, l2, false, p.scale, lane);
+        } else if (warp == 1) {
+            act_row(reinterpret_cast<const IT*>(buf + L.q), aq, l2, true, p.scale, lane);
+        } else if (warp == 2) {
+            const float a_exp = p.gate_mode ? expf(__uint_as_float(sc[1])) : 0.0f;
+            act_decay(reinterpret_cast<const IT*>(buf + L.g), reinterpret_cast<const float*>(buf + L.bias), ad, p,
+                      a_exp, lane);
+        } else if (warp == 3) {
+            const IT* vr = reinterpret_cast<const IT*>(buf + L.v);
+            for (int c = lane; c < V; c += 32) av[c] = kda_load(vr[c]);
+            if (lane == 0) abeta = act_beta(input_from_bits(sc[0]), p);
+        }
+        pipe_step_sync(group);
+        ST* const bl = reinterpret_cast<ST*>(buf) + (VFIRST ? 0 : lk * WC);
+        const kda_u32 elem0 = tile_elem0<true>(hv, 0);
+        float o[TV];
+        if (p.sr) {
+            token_step_stream<true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
+                                    kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0);
+        } else {
+            token_step_stream<false>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o, 0u, elem0);
+        }
+        if (lk == 0 && col0l < V) store_out(reinterpret_cast<IT*>(p.out) + ((size_t)n * p.hv + hv) * V + col0l, o, col0l);
+        bulk_fence();
+        // every warp of the group is past this item's activations and tile before the next
+        // item's activations overwrite ak.. and the storer reads the tile
+        pipe_step_sync(group);
+        if (warp == 0 && lane == 0) mbar_arrive(&computed[bi]);
+    }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pipe(const KdaParams p) {
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(16) unsigned char eager_dsm[];
+    __shared__ kda_u64 full[PIPE_MAX_BUFFERS], computed[PIPE_MAX_BUFFERS], empty[PIPE_MAX_BUFFERS];
+    // the buffers from a 128-byte boundary (the host adds PIPE_ALIGN bytes): bulk copies into
+    // buffers only 16-byte aligned measured 10-20% slower on the H200 (thirty-first session)
+    unsigned char* const dsm = eager_dsm + ((PIPE_ALIGN - (smem_addr(eager_dsm) & (PIPE_ALIGN - 1))) & (PIPE_ALIGN - 1));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int groups = ((int)(blockDim.x >> 5) - 2) / PIPE_WARPS;
+    const int nb = cmin((int)p.stages, PIPE_MAX_BUFFERS);
+    const kda_u32 total = p.n_seqs * p.hv;
+    if (threadIdx.x < (unsigned)nb) {
+        bulk_bar_init(&full[threadIdx.x]);
+        bulk_bar_init(&computed[threadIdx.x]);
+        bulk_bar_init(&empty[threadIdx.x]);
+    }
+    __syncthreads();
+    KDA_DEPENDENT_LAUNCH();
+    if (blockIdx.x == 0 && threadIdx.x == 0 && total > 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
+    if (warp == groups * PIPE_WARPS) {
+        pipe_load(p, dsm, full, empty, total, nb, lane);
+    } else if (warp == groups * PIPE_WARPS + 1) {
+        pipe_store(p, dsm, computed, empty, total, nb, lane);
+    } else {
+        pipe_step(p, dsm, full, computed, total, nb, groups, warp, lane);
+    }
+#endif
+}

@@ -41,13 +41,14 @@ const RING_ROWS: [(&str, RingKernel); 5] = [
 
 /// The eager kernels each eager decode case is also timed with, forced, and their rows'
 /// suffixes (`decode-piped`, ...).
-const EAGER_ROWS: [(&str, EagerKernel); 7] = [
+const EAGER_ROWS: [(&str, EagerKernel); 8] = [
     ("piped", EagerKernel::Pipelined),
     ("tile", EagerKernel::Tile),
     ("staged", EagerKernel::StagedTile),
     ("bulk", EagerKernel::BulkTile),
     ("bulkin", EagerKernel::BulkInTile),
     ("stream", EagerKernel::StreamTile),
+    ("pipe", EagerKernel::BulkPipe),
     ("blocked", EagerKernel::Step),
 ];
 
@@ -132,7 +133,7 @@ pub struct Args {
     pub dependent_launch: String,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
-    /// blocked; with a ring: piped, tile, mma, delta, step).
+    /// pipe, blocked; with a ring: piped, tile, mma, delta, step).
     #[arg(long, default_value = "all")]
     pub forced: String,
 }

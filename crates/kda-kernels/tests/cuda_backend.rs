@@ -349,25 +349,30 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
     }
 }
 
-/// Runs `steps` eager decode steps of `case` with each of the pipelined kernel and the tile
-/// kernels (`kda_eager_tile`, `kda_eager_tile_staged`, `kda_eager_tile_bulk`,
-/// `kda_eager_tile_bulk_in`, `kda_eager_tile_stream`) on one layer and the general kernel
-/// (`kda_step`) on its twin, from the same states and inputs; asserts equal bits of outputs and
-/// states after every step.
+/// Every eager kernel but the general one: the pipelined kernel, the tile kernels
+/// (`kda_eager_tile`, `kda_eager_tile_staged`, `kda_eager_tile_bulk`, `kda_eager_tile_bulk_in`,
+/// `kda_eager_tile_stream`) and the bulk pipe (`kda_eager_bulk_pipe`).
+const FAST_EAGER_KERNELS: [EagerKernel; 7] = [
+    EagerKernel::Pipelined,
+    EagerKernel::Tile,
+    EagerKernel::StagedTile,
+    EagerKernel::BulkTile,
+    EagerKernel::BulkInTile,
+    EagerKernel::StreamTile,
+    EagerKernel::BulkPipe,
+];
+
+/// Runs `steps` eager decode steps of `case` with each of `kernels` on one layer and the general
+/// kernel (`kda_step`) on its twin, from the same states and inputs; asserts equal bits of
+/// outputs and states after every step.
 fn check_fast_eager_kernels_match_the_general_one(
     cu: &CudaBackend,
     case: &Case,
     steps: usize,
     seed: u64,
+    kernels: &[EagerKernel],
 ) {
-    for kernel in [
-        EagerKernel::Pipelined,
-        EagerKernel::Tile,
-        EagerKernel::StagedTile,
-        EagerKernel::BulkTile,
-        EagerKernel::BulkInTile,
-        EagerKernel::StreamTile,
-    ] {
+    for &kernel in kernels {
         let mut rng = StdRng::seed_from_u64(seed);
         let (mut fast, mut general) = twin_layers(cu, case, case, &mut rng);
         let n = case.slots.len();
@@ -427,7 +432,7 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
                 rounding,
                 ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
             };
-            check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 61);
+            check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 61, &FAST_EAGER_KERNELS);
         }
     }
     // stochastic rounding of a K-first 2-byte pool, whole heads (8 warps: the tile goes back
@@ -442,7 +447,13 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
             },
             ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
         };
-        check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 60 + u64::from(warps));
+        check_fast_eager_kernels_match_the_general_one(
+            &cu,
+            &c,
+            3,
+            60 + u64::from(warps),
+            &FAST_EAGER_KERNELS,
+        );
     }
     cu.set_eager_warps(None).expect("warps");
     // narrower CTAs (more column blocks per head, more CTAs per SM), 2 and 3 stages; V-first
@@ -474,6 +485,7 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
             &c,
             2,
             63 + u64::from(warps) + u64::from(stages),
+            &FAST_EAGER_KERNELS,
         );
     }
     cu.set_eager_warps(None).expect("warps");
@@ -490,7 +502,41 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
         0,
     );
     c.opts.gate = GateMode::LowerBound(-3.0);
-    check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 62);
+    check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 62, &FAST_EAGER_KERNELS);
+}
+
+#[test]
+fn cuda_bulk_pipe_reuses_its_buffers_and_equals_the_general_kernel_bit_for_bit() {
+    let Some(cu) = cuda() else { return };
+    // 200 sequences x 8 value heads: several items per persistent CTA, so each CTA goes round
+    // its ring of buffers more than once (its loader waiting for the storer)
+    let n = 200;
+    let slots: Vec<u32> = (0..n as u32).rev().map(|i| 2 * i + 1).collect();
+    for state in Dtype::ALL {
+        for layout in [StateLayout::KFirst, StateLayout::VFirst] {
+            let rounding = if state == Dtype::Fp16 && layout == StateLayout::KFirst {
+                Rounding::Stochastic {
+                    seed: 0x5eed_0000_0000_0013,
+                }
+            } else {
+                Rounding::Nearest
+            };
+            let c = Case {
+                state_dtype: state,
+                input_dtype: Dtype::Bf16,
+                layout,
+                rounding,
+                ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
+            };
+            check_fast_eager_kernels_match_the_general_one(
+                &cu,
+                &c,
+                3,
+                64,
+                &[EagerKernel::BulkPipe],
+            );
+        }
+    }
 }
 
 #[test]

@@ -181,15 +181,17 @@ const WHOLE_HEAD_FROM: usize = 1536;
 
 /// A launch of an eager kernel: the pipelined one, or a tile kernel (`tile`: `kda_eager_tile`,
 /// `kda_eager_tile_staged`, `kda_eager_tile_bulk`, `kda_eager_tile_bulk_in` or
-/// `kda_eager_tile_stream`), which runs the same items (warps, column blocks) one per CTA.
+/// `kda_eager_tile_stream`), which runs the same items (warps, column blocks) one per CTA, or
+/// the bulk pipe (`kda_eager_bulk_pipe`: whole heads, persistent CTAs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct EagerPlan {
     warps: usize,
     vblocks: usize,
-    /// Pipeline stages (2 or 3).
+    /// Pipeline stages (2 or 3); the bulk pipe's buffers per CTA.
     stages: usize,
     /// Dynamic shared memory, bytes: the pipelined kernel's stages, a staged or bulk tile
-    /// kernel's tile (K x its columns; `bulk_tile_bytes`), none for `kda_eager_tile`.
+    /// kernel's tile (K x its columns; `bulk_tile_bytes`), none for `kda_eager_tile`, the bulk
+    /// pipe's buffers (`pipe_buffer_bytes` each, and `PIPE_ALIGN`).
     smem: usize,
     /// Whether the updated tile goes back out through its stage (written there, then copied
     /// out in whole 16-byte chunks: `kda_eager_stage`) rather than from registers (`kda_eager`).
@@ -266,11 +268,6 @@ const BULK_FROM: usize = 512;
 /// pools, mixed below).
 const BULK_IN_V_FIRST_FROM: usize = 192;
 
-/// Value heads of a call from which a 2-byte K-first pool copies whole heads in by bulk copies
-/// and stores them from registers (`kda_eager_tile_bulk_in`), up to `BULK_FROM` (H200 sweep,
-/// docs/performance.md, sixteenth session: 4-5% faster at 384 heads, 4% slower at 288).
-const BULK_IN_2_BYTE_K_FIRST_FROM: usize = 384;
-
 /// Value heads of a call from which a 2-byte K-first pool keeps its whole-head bulk tiles in
 /// shared memory through the token step (`kda_eager_tile_stream`: 40 registers, 6 CTAs per SM,
 /// against `kda_eager_tile_bulk`'s 115 and 2). H200 sweep (docs/performance.md, twenty-second
@@ -279,6 +276,62 @@ const BULK_IN_2_BYTE_K_FIRST_FROM: usize = 384;
 /// with it at every size from N = 16.
 const STREAM_2_BYTE_K_FIRST_FROM: usize = 1920;
 
+/// Bytes of one buffer of `kda_eager_bulk_pipe` (`PipeBuffer` in `kernels/kda_decode.cu`): a
+/// whole head's bulk tile, the key, query, gate and value rows, the gate biases and 16 bytes of
+/// scalars, rounded up to 128.
+fn pipe_buffer_bytes(e: &EagerShape) -> usize {
+    let r16 = |x: usize| x.div_ceil(16) * 16;
+    let tile = r16(bulk_tile_bytes(e.k, e.v, e.v_first, e.state_size));
+    let rows = 3 * r16(e.k * e.input_size) + r16(e.v * e.input_size) + r16(e.k * 4) + 16;
+    (tile + rows).div_ceil(128) * 128
+}
+
+/// Bytes `kda_eager_bulk_pipe` may skip to start its buffers on a 128-byte boundary (with
+/// buffers only 16-byte aligned its bulk copies measured 10-20% slower on the H200,
+/// docs/performance.md, thirty-first session).
+const PIPE_ALIGN: usize = 128;
+
+/// Step groups of 8 warps per `kda_eager_bulk_pipe` CTA (`PIPE_MAX_GROUPS` in
+/// `kernels/kda_decode.cu`): with one the step was the bottleneck (H200: 3 us a 2-byte head),
+/// three of them keep up with the loads (thirty-first session).
+const PIPE_GROUPS: usize = 3;
+
+/// Threads of a `kda_eager_bulk_pipe` CTA: the step groups, the loader warp and the storer warp.
+const PIPE_THREADS: usize = (8 * PIPE_GROUPS + 2) * 32;
+
+/// Most buffers per `kda_eager_bulk_pipe` CTA (`PIPE_MAX_BUFFERS` in the kernel is 8): six of a
+/// 2-byte head fill an H200 SM's shared memory.
+const PIPE_BUFFERS: usize = 6;
+
+/// Static shared memory of `kda_eager_bulk_pipe`, bytes: three barriers per buffer (up to 8
+/// buffers) and each step group's activated key, decay, query, values and beta.
+fn pipe_static_smem(e: &EagerShape) -> usize {
+    3 * 8 * 8 + PIPE_GROUPS * ((3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 4)
+}
+
+/// Buffers of `kda_eager_bulk_pipe` at this shape: up to `PIPE_BUFFERS` of them that fit shared
+/// memory, a multiple of `PIPE_GROUPS` (a step group's wait on a buffer's barrier must find the
+/// buffer's previous phase completed, by its own earlier item there) and at least two; `None`
+/// where that leaves none, or without bulk copies, or where one CTA's columns (`cw`) are not a
+/// whole head.
+fn pipe_buffers(e: &EagerShape, cw: usize) -> Option<usize> {
+    if !e.bulk || cw != e.v {
+        return None;
+    }
+    let fit = e
+        .smem_optin
+        .saturating_sub(pipe_static_smem(e) + PIPE_ALIGN)
+        / pipe_buffer_bytes(e);
+    let b = PIPE_BUFFERS.min(fit);
+    Some(b - b % PIPE_GROUPS).filter(|&b| b >= 2)
+}
+
+/// Value heads of a call for which a 2-byte K-first pool decodes with `kda_eager_bulk_pipe`
+/// (H200, docs/performance.md, thirty-first session: 1.6-11% faster at 384 to 1536 heads than
+/// `kda_eager_tile_bulk_in` (384) and `kda_eager_tile_bulk` (512-1536), the sixteenth session's
+/// choices there; level at 2048, 4-6% slower from 3072, where `kda_eager_tile_stream` stays).
+const PIPE_2_BYTE_K_FIRST: std::ops::Range<usize> = 384..STREAM_2_BYTE_K_FIRST_FROM;
+
 /// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
 fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     if !e.bulk {
@@ -286,11 +339,11 @@ fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     }
     if e.state_size == 2 && !e.v_first && e.heads >= STREAM_2_BYTE_K_FIRST_FROM {
         Some(TileMove::Stream)
+    } else if e.state_size == 2 && !e.v_first && PIPE_2_BYTE_K_FIRST.contains(&e.heads) {
+        Some(TileMove::Pipe)
     } else if e.heads >= BULK_FROM && (!e.v_first || e.state_size == 4) {
         Some(TileMove::Bulk)
-    } else if (e.v_first && (BULK_IN_V_FIRST_FROM..BULK_FROM).contains(&e.heads))
-        || (e.state_size == 2 && (BULK_IN_2_BYTE_K_FIRST_FROM..BULK_FROM).contains(&e.heads))
-    {
+    } else if e.v_first && (BULK_IN_V_FIRST_FROM..BULK_FROM).contains(&e.heads) {
         Some(TileMove::BulkIn)
     } else {
         None
@@ -333,6 +386,8 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         {
             wph.min(8)
         }
+        // the bulk pipe takes whole heads in either layout
+        None if e.kernel == Some(EagerKernel::BulkPipe) => wph.min(8),
         None if two_byte_kf && e.heads >= WHOLE_HEAD_FROM => wph.min(8),
         // the pipelined kernel on fp32 pools with fewer 4-warp CTAs than SMs (N = 1): 2 warps,
         // twice the CTAs (the H200 sweep: 4.05 against 4.33 us at H = 12, N = 1); 4 for
@@ -347,6 +402,12 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
     let bulk = bulk.filter(|_| {
         (e.v_first || cw == e.v)
             && bulk_tile_bytes(e.k, cw, e.v_first, e.state_size) + static_smem <= e.smem_optin
+    });
+    let pipe_buffers = pipe_buffers(e, cw);
+    // the plan's bulk pipe where its buffers do not fit: the bulk tile kernel of these sizes
+    let bulk = bulk.map(|mv| match mv {
+        TileMove::Pipe if pipe_buffers.is_none() => TileMove::Bulk,
+        mv => mv,
     });
     let stage = r16(e.k * cw * e.state_size)
         + 3 * r16(e.k * e.input_size)
@@ -380,7 +441,8 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             | EagerKernel::StagedTile
             | EagerKernel::BulkTile
             | EagerKernel::BulkInTile
-            | EagerKernel::StreamTile,
+            | EagerKernel::StreamTile
+            | EagerKernel::BulkPipe,
         ) => true,
         _ if bulk.is_some() => true,
         _ => {
@@ -397,6 +459,8 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         (Some(EagerKernel::BulkTile), _) => TileMove::Bulk,
         (Some(EagerKernel::BulkInTile), _) => TileMove::BulkIn,
         (Some(EagerKernel::StreamTile), _) => TileMove::Stream,
+        (Some(EagerKernel::BulkPipe), _) if pipe_buffers.is_some() => TileMove::Pipe,
+        (Some(EagerKernel::BulkPipe), _) => TileMove::Stream,
         (None, Some(mv)) => mv,
         (None, None) if two_byte_kf && items <= STAGED_2_BYTE_K_FIRST_ITEMS_PER_SM * e.num_sms => {
             TileMove::Staged
@@ -409,8 +473,14 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         .map(|stages| EagerPlan {
             warps,
             vblocks: wph.div_ceil(warps),
-            stages,
+            stages: match (tile, pipe_buffers) {
+                (Some(TileMove::Pipe), Some(b)) => b,
+                _ => stages,
+            },
             smem: match tile {
+                Some(TileMove::Pipe) => {
+                    pipe_buffers.map_or(0, |b| b * pipe_buffer_bytes(e) + PIPE_ALIGN)
+                }
                 None => stages * stage,
                 Some(TileMove::Direct) => 0,
                 Some(TileMove::Staged) => r16(e.k * cw * e.state_size),
@@ -1079,6 +1149,18 @@ impl CudaBackend {
         let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
             (
                 Some(EagerPlan {
+                    tile: Some(TileMove::Pipe),
+                    smem,
+                    ..
+                }),
+                _,
+            ) => {
+                let (f, name) = eager_tile_kernel(&self.ctx, key, TileMove::Pipe)?;
+                let grid = self.persistent_grid(&f, name, PIPE_THREADS, smem)?;
+                (f, name, smem, Some(grid))
+            }
+            (
+                Some(EagerPlan {
                     tile: Some(mv),
                     smem,
                     ..
@@ -1110,7 +1192,11 @@ impl CudaBackend {
             (None, None) => (func, "kda_step", 0, None),
         };
         let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
-            (g.hv, 1usize, pl.vblocks, pl.warps)
+            let warps = match pl.tile {
+                Some(TileMove::Pipe) => PIPE_THREADS / 32,
+                _ => pl.warps,
+            };
+            (g.hv, 1usize, pl.vblocks, warps)
         } else if let Some(rp) = ring_pipe {
             (g.hv, 1usize, rp.vblocks, RING_THREADS / 32)
         } else if ring {
@@ -1214,9 +1300,9 @@ impl CudaBackend {
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
-        // launch bounds (<= 256 threads); the pipelined kernels' dynamic
-        // shared memory was checked against the device's opt-in limit and their copies against
-        // the shape (`eager_plan`, `ring_plan`); every KDA kernel runs
+        // launch bounds (<= 256 threads; PIPE_THREADS for kda_eager_bulk_pipe); the pipelined
+        // kernels' dynamic shared memory was checked against the device's opt-in limit and
+        // their copies against the shape (`eager_plan`, `ring_plan`); every KDA kernel runs
         // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs, before any access
         // that could see the previous grid's writes (before it: the host-written slots and
         // sequence bounds, and L2 prefetches with `early`).
@@ -1578,30 +1664,36 @@ mod tests {
             ..shape(size, heads, v_first)
         };
         let mv = |e: &EagerShape| eager_plan(e).expect("plan").tile;
-        // K-first pools from 512 heads: whole heads (8 warps), the rows of each lane group
+        // fp32 K-first pools from 512 heads: whole heads (8 warps), the rows of each lane group
         // shifted by a warp's columns in shared memory
-        for (size, biggest) in [(4, 8192), (2, 1919)] {
-            for heads in [512, biggest] {
-                let p = eager_plan(&with_bulk(size, heads, false)).expect("plan");
-                assert_eq!(p.tile, Some(TileMove::Bulk), "{size}-byte, {heads} heads");
-                assert_eq!((p.warps, p.vblocks), (8, 1));
-                assert_eq!(p.smem, (128 * 128 + 8 * 16) * size);
-            }
-            assert_ne!(mv(&with_bulk(size, 511, false)), Some(TileMove::Bulk));
+        for heads in [512, 8192] {
+            let p = eager_plan(&with_bulk(4, heads, false)).expect("plan");
+            assert_eq!(p.tile, Some(TileMove::Bulk), "{heads} heads");
+            assert_eq!((p.warps, p.vblocks), (8, 1));
+            assert_eq!(p.smem, (128 * 128 + 8 * 16) * 4);
         }
-        // 2-byte K-first pools at 384-511 heads: whole heads in by bulk copies, out from
-        // registers; fp32 ones not
-        for heads in [384, 511] {
+        assert_ne!(mv(&with_bulk(4, 511, false)), Some(TileMove::Bulk));
+        assert_ne!(mv(&with_bulk(4, 384, false)), Some(TileMove::BulkIn));
+        // 2-byte K-first pools at 384-1919 heads: the bulk pipe, six buffers of whole heads
+        for heads in [384, 768, 1919] {
             let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
             assert_eq!(
-                (p.tile, p.warps),
-                (Some(TileMove::BulkIn), 8),
+                (p.tile, p.warps, p.stages),
+                (Some(TileMove::Pipe), 8, 6),
                 "{heads} heads"
             );
-            assert_eq!(p.smem, (128 * 128 + 8 * 16) * 2);
         }
-        assert_ne!(mv(&with_bulk(2, 383, false)), Some(TileMove::BulkIn));
-        assert_ne!(mv(&with_bulk(4, 384, false)), Some(TileMove::BulkIn));
+        assert_ne!(mv(&with_bulk(2, 383, false)), Some(TileMove::Pipe));
+        // where its buffers do not fit: the bulk tile kernel
+        let e = EagerShape {
+            smem_optin: 90_000,
+            ..with_bulk(2, 768, false)
+        };
+        let p = eager_plan(&e).expect("plan");
+        assert_eq!(
+            (p.tile, p.smem),
+            (Some(TileMove::Bulk), (128 * 128 + 8 * 16) * 2)
+        );
         // fp32 V-first pools from 512 heads: 4-warp tiles in and out; V-first pools from 192
         // heads up to there: in by bulk copies, out from registers
         let p = eager_plan(&with_bulk(4, 512, true)).expect("plan");
@@ -1744,6 +1836,49 @@ mod tests {
             );
             assert_eq!(p.smem, (128 * 128 + 8 * 16) * size);
             assert_eq!(p.slot_once, slot_once, "{size}-byte, {heads} heads");
+        }
+    }
+
+    #[test]
+    fn the_bulk_pipe_runs_whole_heads_in_buffers_of_a_multiple_of_its_groups() {
+        let pipe = |size, v_first| EagerShape {
+            bulk: true,
+            kernel: Some(EagerKernel::BulkPipe),
+            ..shape(size, 768, v_first)
+        };
+        for (size, buffers) in [(2, 6), (4, 3)] {
+            for v_first in [false, true] {
+                let e = pipe(size, v_first);
+                let p = eager_plan(&e).expect("plan");
+                assert_eq!(p.tile, Some(TileMove::Pipe), "{size}-byte");
+                assert_eq!((p.warps, p.vblocks), (8, 1), "whole heads");
+                assert_eq!(p.stages, buffers, "{size}-byte buffers");
+                assert_eq!(p.stages % PIPE_GROUPS, 0);
+                assert_eq!(p.smem, buffers * pipe_buffer_bytes(&e) + PIPE_ALIGN);
+                assert!(p.smem + pipe_static_smem(&e) <= e.smem_optin);
+            }
+        }
+        // a 2-byte K-first buffer: the tile with its row shifts, four 256-byte input rows, the
+        // gate biases and the scalars, rounded up to 128 bytes
+        assert_eq!(pipe_buffer_bytes(&pipe(2, false)), 34_688);
+        // no bulk copies, heads wider than one CTA, shared memory for two buffers (not a multiple
+        // of three groups): StreamTile's plan
+        let stream = |e: EagerShape| eager_plan(&e).expect("plan").tile;
+        for e in [
+            EagerShape {
+                bulk: false,
+                ..pipe(2, false)
+            },
+            EagerShape {
+                fixed_warps: Some(4),
+                ..pipe(2, false)
+            },
+            EagerShape {
+                smem_optin: 90_000,
+                ..pipe(2, false)
+            },
+        ] {
+            assert_eq!(stream(e), Some(TileMove::Stream));
         }
     }
 

@@ -59,6 +59,7 @@ enum Key {
     EagerTileBulk(StepKey),
     EagerTileBulkIn(StepKey),
     EagerTileStream(StepKey),
+    EagerBulkPipe(StepKey),
     Ring(StepKey),
     RingTile(StepKey),
     RingMma(StepKey),
@@ -79,6 +80,7 @@ impl Key {
             Key::EagerTileBulk(_) => "kda_eager_tile_bulk",
             Key::EagerTileBulkIn(_) => "kda_eager_tile_bulk_in",
             Key::EagerTileStream(_) => "kda_eager_tile_stream",
+            Key::EagerBulkPipe(_) => "kda_eager_bulk_pipe",
             Key::Ring(_) => "kda_ring",
             Key::RingTile(_) => "kda_ring_tile",
             Key::RingMma(_) => "kda_ring_mma",
@@ -99,6 +101,7 @@ impl Key {
             | Key::EagerTileBulk(k)
             | Key::EagerTileBulkIn(k)
             | Key::EagerTileStream(k)
+            | Key::EagerBulkPipe(k)
             | Key::Ring(k)
             | Key::RingTile(k)
             | Key::RingMma(k)
@@ -108,7 +111,7 @@ impl Key {
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (twelve kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (thirteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -117,7 +120,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 12] {
+fn step_module(k: StepKey) -> [Key; 13] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -127,6 +130,7 @@ fn step_module(k: StepKey) -> [Key; 12] {
         Key::EagerTileBulk(k),
         Key::EagerTileBulkIn(k),
         Key::EagerTileStream(k),
+        Key::EagerBulkPipe(k),
         Key::Ring(k),
         Key::RingTile(k),
         Key::RingMma(k),
@@ -289,7 +293,7 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
     for (key, f) in fs.iter() {
         // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit: all
         // of the SM's shared memory, not the L1 the driver might keep (set once, at load)
-        if let Key::EagerTileStream(_) = key {
+        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) = key {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                 100,
@@ -351,6 +355,9 @@ pub(crate) enum TileMove {
     BulkIn,
     /// As `Bulk`, the token step streamed from shared memory (`kda_eager_tile_stream`).
     Stream,
+    /// Persistent CTAs whose warps load, step and store heads through a ring of bulk
+    /// buffers (`kda_eager_bulk_pipe`; not one item per CTA).
+    Pipe,
 }
 
 /// The one-item-per-CTA eager-decode kernel that moves its tile as `mv`, specialised on
@@ -366,6 +373,7 @@ pub(crate) fn eager_tile_kernel(
         TileMove::Bulk => Key::EagerTileBulk(key),
         TileMove::BulkIn => Key::EagerTileBulkIn(key),
         TileMove::Stream => Key::EagerTileStream(key),
+        TileMove::Pipe => Key::EagerBulkPipe(key),
     };
     Ok((get(ctx, key)?, key.entry()))
 }
@@ -460,6 +468,7 @@ mod tests {
                 "kda_eager_tile_bulk",
                 "kda_eager_tile_bulk_in",
                 "kda_eager_tile_stream",
+                "kda_eager_bulk_pipe",
                 "kda_ring",
                 "kda_ring_tile",
                 "kda_ring_mma",
