@@ -407,6 +407,18 @@ fn check_fast_eager_kernels_match_the_general_one(
     cu.set_eager_kernel(None).expect("kernel choice");
 }
 
+/// An eager decode case of the production head size (4 q/k heads, 8 value heads, K = V = 128,
+/// bf16 inputs), one token for each of `slots`.
+fn eager_case(state: Dtype, layout: StateLayout, rounding: Rounding, slots: &[u32]) -> Case {
+    Case {
+        state_dtype: state,
+        input_dtype: Dtype::Bf16,
+        layout,
+        rounding,
+        ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; slots.len()], slots)
+    }
+}
+
 #[test]
 fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
     let Some(cu) = cuda() else { return };
@@ -425,13 +437,7 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
                     seed: 0x5eed_0000_0000_0007,
                 }
             };
-            let c = Case {
-                state_dtype: state,
-                input_dtype: Dtype::Bf16,
-                layout,
-                rounding,
-                ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
-            };
+            let c = eager_case(state, layout, rounding, &slots);
             check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 61, &FAST_EAGER_KERNELS);
         }
     }
@@ -521,13 +527,7 @@ fn cuda_bulk_pipe_reuses_its_buffers_and_equals_the_general_kernel_bit_for_bit()
             } else {
                 Rounding::Nearest
             };
-            let c = Case {
-                state_dtype: state,
-                input_dtype: Dtype::Bf16,
-                layout,
-                rounding,
-                ..Case::new(4, 8, 128, 128).with_seqs(&vec![1; n], &slots)
-            };
+            let c = eager_case(state, layout, rounding, &slots);
             check_fast_eager_kernels_match_the_general_one(
                 &cu,
                 &c,
