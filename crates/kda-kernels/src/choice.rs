@@ -27,10 +27,12 @@ pub enum EagerKernel {
     /// share an SM; same bits.
     StreamTile,
     /// `kda_eager_bulk_pipe`: persistent CTAs over whole heads, one warp loading the next
-    /// heads' tiles and inputs by bulk copies into a ring of shared-memory buffers, eight warps
-    /// running `StreamTile`'s token step in them and one warp storing the stepped tiles by bulk
-    /// copies; same bits. Where it does not fit (no bulk copies, heads wider than one CTA's
-    /// columns, or fewer than two buffers in shared memory) `StreamTile` runs instead.
+    /// heads' tiles and inputs by bulk copies into a ring of shared-memory buffers, three groups
+    /// of eight warps taking the heads in turn with `StreamTile`'s token step, and one warp
+    /// storing the stepped tiles by bulk copies; same bits. The default for 2-byte K-first
+    /// calls of 384-1919 value heads on devices with bulk copies. Where it does not fit (no bulk
+    /// copies, heads wider than one CTA's columns, or too few buffers in shared memory)
+    /// `StreamTile` runs instead.
     BulkPipe,
     /// The general kernel of every operation, one item per CTA (`kda_step`).
     Step,

@@ -291,8 +291,9 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
             .collect(),
     );
     for (key, f) in fs.iter() {
-        // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit: all
-        // of the SM's shared memory, not the L1 the driver might keep (set once, at load)
+        // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit, and
+        // kda_eager_bulk_pipe for as many buffers: all of the SM's shared memory, not the L1
+        // the driver might keep (set once, at load)
         if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) = key {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
