@@ -1985,7 +1985,9 @@ __device__ __forceinline__ void pipe_step_sync(int group) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(PIPE_WARPS * 32) : "memory");
 }
 
-// The loader warp: fills the buffers with this CTA's items in order.
+// The loader warp: fills the buffers with this CTA's items in order. (Its tile copies and the
+// storer's are tile_bulk's for a whole head, written out here: the same kernel issuing them
+// through tile_bulk measured 3.7% slower at 768 heads on the H200, thirty-second session.)
 __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
                                           kda_u32 total, int nb, int lane) {
     const PipeBuffer L;
