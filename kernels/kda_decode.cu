@@ -1619,41 +1619,6 @@ __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0,
     }
 }
 
-// Writes piece t of a lane's tile (its elements x, f32) back into the bulk tile through the
-// element type, rounded as store_tile (the stochastic offsets from elem0, K-first rows of V);
-// nothing for a lane past the item's columns (col0 = V).
-template <bool SR>
-__device__ __forceinline__ void piece_store(ST* tile, const TilePiece& t, const float (&x)[PE], int col0, kda_u32 base,
-                                            kda_u32 elem0) {
-    if (col0 >= V) return; // a lane past the item's columns
-    if constexpr (PIECE_VEC && !SR) {
-        // (stochastic stores element by element: four hashes at once spilled registers)
-        if (!t.whole) return;
-        if constexpr (sizeof(ST) == 2) {
-            // two elements per conversion instruction (same bits as one at a time)
-            kda_u32 w[cmax(1, PE / 2)];
-#pragma unroll
-            for (int m = 0; m < PE / 2; ++m) w[m] = kda_pack2_rn<ST>(x[2 * m], x[2 * m + 1]);
-            if constexpr (PE == 8) {
-                *reinterpret_cast<uint4*>(tile + t.off) = make_uint4(w[0], w[1], w[2], w[3]);
-            } else {
-                *reinterpret_cast<uint2*>(tile + t.off) = make_uint2(w[0], w[1]);
-            }
-        } else {
-            ST y[PE];
-#pragma unroll
-            for (int e = 0; e < PE; ++e) y[e] = round_elem<false>(x[e], 0u, 0u);
-            kda_store_vec<ST, PE>(tile + t.off, y);
-        }
-    } else {
-#pragma unroll
-        for (int e = 0; e < PE; ++e) {
-            const int r = piece_row(t, e), col = VFIRST ? t.col : t.col + e;
-            if (r < K && col < V) tile[t.off + e] = round_elem<SR>(x[e], base, elem0 + piece_elem(t, e));
-        }
-    }
-}
-
 // token_step for kda_eager_tile_stream: the lane's tile stays in the bulk tile `tile` (K-first
 // rows of rs elements, the lane's shift applied) and is read twice, once for k S and once for
 // the update and the read-out, which writes it back in place through the element type (as
@@ -1688,7 +1653,33 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
             x[e] = fmaf(k[r], u[c], x[e] * d[r]);
             o[c] = fmaf(q[r], x[e], o[c]);
         }
-        piece_store<SR>(tile, t, x, col0, base, elem0);
+        if (col0 >= V) return; // a lane past the item's columns: sums only
+        if constexpr (PIECE_VEC && !SR) {
+            // (stochastic stores element by element: four hashes at once spilled registers)
+            if (!t.whole) return;
+            if constexpr (sizeof(ST) == 2) {
+                // two elements per conversion instruction (same bits as one at a time)
+                kda_u32 w[cmax(1, PE / 2)];
+#pragma unroll
+                for (int m = 0; m < PE / 2; ++m) w[m] = kda_pack2_rn<ST>(x[2 * m], x[2 * m + 1]);
+                if constexpr (PE == 8) {
+                    *reinterpret_cast<uint4*>(tile + t.off) = make_uint4(w[0], w[1], w[2], w[3]);
+                } else {
+                    *reinterpret_cast<uint2*>(tile + t.off) = make_uint2(w[0], w[1]);
+                }
+            } else {
+                ST y[PE];
+#pragma unroll
+                for (int e = 0; e < PE; ++e) y[e] = round_elem<false>(x[e], 0u, 0u);
+                kda_store_vec<ST, PE>(tile + t.off, y);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < PE; ++e) {
+                const int r = piece_row(t, e), col = VFIRST ? t.col : t.col + e;
+                if (r < K && col < V) tile[t.off + e] = round_elem<SR>(x[e], base, elem0 + piece_elem(t, e));
+            }
+        }
     });
     reduce_k(o);
 }

@@ -238,11 +238,10 @@ __device__ __forceinline__ void ring_issue_tile(unsigned char* tile, const KdaPa
     cp_async_commit();
 }
 
-// The RT threads of a team (thread tid: the CTA's, or a kda_ring_delta_pipe step group's)
-// copy n words of W from s to d, four loads in flight per thread.
+// The CTA copies n words of W from s to d, four loads in flight per thread.
 // (Loops not unrolled further: the kernel's code stays small.)
-template <typename W> __device__ __forceinline__ void cta_copy(W* d, const W* s, size_t n, kda_u32 tid) {
-    size_t i = tid;
+template <typename W> __device__ __forceinline__ void cta_copy(W* d, const W* s, size_t n) {
+    size_t i = threadIdx.x;
 #pragma unroll 1
     for (; i + 3 * RT < n; i += 4 * RT) {
         const W a = s[i], b = s[i + RT], c = s[i + 2 * RT], e = s[i + 3 * RT];
@@ -255,21 +254,20 @@ template <typename W> __device__ __forceinline__ void cta_copy(W* d, const W* s,
     for (; i < n; i += RT) d[i] = s[i];
 }
 
-// A team (cta_copy's) copies `bytes` (a multiple of gran) from s to d in words of gran bytes.
-__device__ __forceinline__ void cta_copy_bytes(void* d, const void* s, size_t bytes, int gran, kda_u32 tid) {
+// The CTA copies `bytes` (a multiple of gran) from s to d in words of gran bytes.
+__device__ __forceinline__ void cta_copy_bytes(void* d, const void* s, size_t bytes, int gran) {
     if (gran == 16) {
-        cta_copy(reinterpret_cast<uint4*>(d), reinterpret_cast<const uint4*>(s), bytes / 16, tid);
+        cta_copy(reinterpret_cast<uint4*>(d), reinterpret_cast<const uint4*>(s), bytes / 16);
     } else if (gran == 8) {
-        cta_copy(reinterpret_cast<uint2*>(d), reinterpret_cast<const uint2*>(s), bytes / 8, tid);
+        cta_copy(reinterpret_cast<uint2*>(d), reinterpret_cast<const uint2*>(s), bytes / 8);
     } else {
-        cta_copy(reinterpret_cast<kda_u32*>(d), reinterpret_cast<const kda_u32*>(s), bytes / 4, tid);
+        cta_copy(reinterpret_cast<kda_u32*>(d), reinterpret_cast<const kda_u32*>(s), bytes / 4);
     }
 }
 
 // A commit's new ring entries 0..nnew of a whole slot, from the call's inputs (every thread of
-// a team: cta_copy's; a ring entry holds one token's k, v, g rows of all heads, then its betas).
-__device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slot, kda_u32 bos, kda_u32 nnew,
-                                                 kda_u32 tid) {
+// the CTA; a ring entry holds one token's k, v, g rows of all heads, then its betas).
+__device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slot, kda_u32 bos, kda_u32 nnew) {
     const size_t entry = ring_entry_elems(p);
     const size_t hk = (size_t)p.h * K, hvv = (size_t)p.hv * V, hvk = (size_t)p.hv * K;
     const int gran = (int)p.ring_gran;
@@ -283,9 +281,9 @@ __device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slo
             const size_t n = part == 0 ? hk : part == 1 ? hvv : hvk;
             const IT* src = reinterpret_cast<const IT*>(part == 0 ? p.k : part == 1 ? p.v : p.g) + tok * n;
             const size_t at = part == 0 ? 0 : part == 1 ? ring_off_v(p, 0) : ring_off_g(p, 0);
-            cta_copy_bytes(e + at, src, n * sizeof(IT), gran, tid);
+            cta_copy_bytes(e + at, src, n * sizeof(IT), gran);
         }
-        for (size_t i = tid; i < p.hv; i += RT)
+        for (size_t i = threadIdx.x; i < p.hv; i += RT)
             e[ring_off_beta(p, i)] = reinterpret_cast<const IT*>(p.beta)[tok * p.hv + i];
     }
 }
@@ -428,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         __syncthreads();
         // entries of a committed slot this CTA arrived last on (published by the bookkeeper)
         const kda_u32* cp = s_copy[stage ^ 1];
-        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2], threadIdx.x);
+        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2]);
         const RingItem me = s_items[j0];
 
         // issue the next item
@@ -573,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         if (e == i && threadIdx.x == BK) ring_settle(s_prev, prev_old == per_seq - 1, metas, s_copy[e & 1]);
         __syncthreads();
         const kda_u32* cp = s_copy[e & 1];
-        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2], threadIdx.x);
+        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2]);
     }
 }
 
@@ -793,12 +791,12 @@ __device__ __forceinline__ void tile_pending_rows(unsigned char* dsm, const LT& 
 // pending entries: no CTA of this call reads them): v of its columns; g and beta from the
 // head's first block; k from the group's first value head. (kda_ring's append, written again: a
 // shared helper would change kda_ring's code, whose speed depends on its size, and its betas
-// come from shared memory.) tid: the thread's index in its team of RT.
+// come from shared memory.)
 template <typename LT>
 __device__ __forceinline__ void tile_append(const unsigned char* dsm, const LT& L, const KdaParams& p, kda_u32 slot,
                                             kda_u32 append_at, kda_u32 bos, kda_u32 nnew, int h, int hv, int group,
-                                            int cb, int cwv, int gran, size_t entry, kda_u32 tid) {
-    const int warp = tid >> 5, lane = tid & 31;
+                                            int cb, int cwv, int gran, size_t entry) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int r = warp; r < 3 * (int)nnew; r += RT / 32) {
         const int j = r / 3, part = r - 3 * j; // 0: k and beta, 1: g, 2: v
         if (part < 2 && cb != 0) continue;
@@ -829,19 +827,17 @@ struct TileRows {
     __device__ __forceinline__ TileRows(unsigned char* dsm, const RingTileLayout& L)
         : ka(reinterpret_cast<float*>(dsm + L.ka)), da(reinterpret_cast<float*>(dsm + L.da)),
           qa(reinterpret_cast<float*>(dsm + L.qa)), va(reinterpret_cast<float*>(dsm + L.va)) {}
-    // arrays elsewhere (kda_ring_delta_pipe's step groups keep them apart from the raw rows)
-    __device__ __forceinline__ TileRows(float* k, float* d, float* q, float* v) : ka(k), da(d), qa(q), va(v) {}
 };
 
 // kda_ring_tile's and kda_ring_delta's activations (RingTileLayout): the keys (combined token t
 // from raw row t < pend ? mq + t : t - pend) and the new tokens' queries a warp per row into
-// ka and qa; the decays and the values (of combined tokens vfrom..) over all threads (tid: the
-// thread's index in its team of RT) into da and va. Not followed by a barrier. FAST_NORM,
-// FAST_DECAY: act_row's, decay_of's approximate arithmetic.
+// ka and qa; the decays and the values (of combined tokens vfrom..) over all threads into da
+// and va. Not followed by a barrier. FAST_NORM, FAST_DECAY: act_row's, decay_of's approximate
+// arithmetic.
 template <bool FAST_NORM = false, bool FAST_DECAY = false>
 __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTileLayout& L, const TileRows& r,
                                               const KdaParams& p, int pend, int ntok, int nnew, int mq, int cwv,
-                                              float a_exp, int warp, int lane, int vfrom, kda_u32 tid) {
+                                              float a_exp, int warp, int lane, int vfrom = 0) {
     float *ka = r.ka, *da = r.da, *qa = r.qa, *va = r.va;
     const float* bias = reinterpret_cast<const float*>(dsm + L.bias);
     auto raw = [&](int t) { return dsm + (t < pend ? mq + t : t - pend) * L.tokb; };
@@ -857,11 +853,11 @@ __device__ __forceinline__ void tile_activate(unsigned char* dsm, const RingTile
             for (int kk = K + lane; kk < KS; kk += 32) qa[f * KS + kk] = 0.0f;
         }
     }
-    for (int i = (int)tid; i < ntok * KS; i += RT) {
+    for (int i = (int)threadIdx.x; i < ntok * KS; i += RT) {
         const int t = i / KS, kk = i - t * KS;
         da[i] = kk < K ? decay_of<FAST_DECAY>(reinterpret_cast<const IT*>(raw(t) + RK), bias, kk, p, a_exp) : 1.0f;
     }
-    for (int i = vfrom * RCW + (int)tid; i < ntok * RCW; i += RT) {
+    for (int i = vfrom * RCW + (int)threadIdx.x; i < ntok * RCW; i += RT) {
         const int t = i / RCW, c = i - t * RCW;
         va[i] = c < cwv ? kda_load(reinterpret_cast<const IT*>(raw(t) + 2 * RK)[c]) : 0.0f;
     }
@@ -885,7 +881,7 @@ __device__ __forceinline__ void tile_settle(const KdaParams& p, const Plan& pl, 
         s_last = last && store && pl.append_at != KDA_NONE && nnew > 0;
     }
     __syncthreads();
-    if (s_last) ring_commit_copy(p, slot, bos, nnew, threadIdx.x);
+    if (s_last) ring_commit_copy(p, slot, bos, nnew);
 }
 } // namespace kda
 
@@ -928,7 +924,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     if (work) {
         const TileRows rows(dsm, L);
         float *ka = rows.ka, *da = rows.da, *qa = rows.qa, *va = rows.va;
-        tile_activate(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane, 0, threadIdx.x);
+        tile_activate(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp, lane);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
@@ -952,7 +948,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
             }
         }
         if (!store && pl.append_at != KDA_NONE && nnew > 0)
-            tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry, threadIdx.x);
+            tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry);
     }
     tile_settle(p, pl, old, per_seq, store, meta, slot, bos, nnew, s_last);
 }

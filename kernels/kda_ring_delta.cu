@@ -163,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
         // alone they stay at 3.6e-7 (docs/performance.md, twenty-eighth and twenty-ninth
         // sessions).
         tile_activate<true, sizeof(ST) == 2>(dsm, L, rows, p, pend, ntok, (int)nnew, mq, cwv, s_aexp, warp,
-                                             lane, fast ? pend : 0, threadIdx.x);
+                                             lane, fast ? pend : 0);
         __syncthreads();
         if constexpr (TILE_WORDS) tile_from_words(w, s);
         const float* sbeta = reinterpret_cast<const float*>(dsm + L.sbeta);
@@ -357,8 +357,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
             __syncwarp();
         }
         if (!store && pl.append_at != KDA_NONE && nnew > 0)
-            tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry,
-                        threadIdx.x);
+            tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry);
     }
     // every entry the ring keeps has its vector when the item worked; else those it had
     const kda_u32 cached = work ? pl.new_len : min(s_cached, pl.new_len);

@@ -454,8 +454,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mm
                 tile_copy<false>(tile, head, cb);
             }
             if (!commit && pl.append_at != KDA_NONE && nnew > 0)
-                tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry,
-                        threadIdx.x);
+                tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry);
         }
         tile_settle(p, pl, old, per_seq, commit, meta, slot, bos, nnew, s_last);
     }

@@ -28,7 +28,7 @@ variants=("float float 0" "kda_half kda_bf16 0" "kda_bf16 kda_bf16 0" "float flo
 build() {
     local rev=$1 out=$2 src="$2/src"
     mkdir -p "$src"
-    for f in kda_compat.cuh kda_common.cuh kda_decode.cu kda_ring.cu kda_ring_mma.cu kda_ring_delta.cu kda_ring_pipe.cu; do
+    for f in kda_compat.cuh kda_common.cuh kda_decode.cu kda_ring.cu kda_ring_mma.cu kda_ring_delta.cu; do
         if [ -z "$rev" ]; then
             cp "kernels/$f" "$src/$f" 2>/dev/null || : >"$src/$f"
         else
@@ -49,7 +49,6 @@ build() {
             grep -v '#include "kda_' "$src/kda_ring.cu"
             grep -v '#include "kda_' "$src/kda_ring_mma.cu"
             grep -v '#include "kda_' "$src/kda_ring_delta.cu"
-            grep -v '#include "kda_' "$src/kda_ring_pipe.cu"
         } >"$tu"
         "$cu/bin/nvcc" -cubin -arch=sm_90 -std=c++17 -I"$cu/include" -Xptxas -v -diag-suppress 128 \
             -o "${tu%.cu}.cubin" "$tu" >"${tu%.cu}.log" 2>&1 || { cat "${tu%.cu}.log"; exit 1; }

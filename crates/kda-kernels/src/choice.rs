@@ -63,15 +63,6 @@ pub enum RingKernel {
     /// ring decode and spec_verify. Not the bits of the others (fp32 states within about 1e-6,
     /// 2-byte ones within one rounding step of them).
     Delta,
-    /// `kda_ring_delta_pipe`: `Delta`'s arithmetic for ring decode and spec_verify on
-    /// `BulkPipe`'s pipeline: persistent CTAs whose loader warp plans the next items and fills
-    /// shared-memory buffers (state tile, token rows, stored delta vectors) by bulk copies
-    /// while groups of eight warps compute earlier ones from their buffers, and whose storer
-    /// warp writes back the tiles a commit folded. Whole heads of K = 128 on devices with bulk
-    /// copies, nearest rounding, a pool with a delta plane; elsewhere `Delta`'s choice applies.
-    /// After a commit its new tokens read the folded tile as stored (rounded), so its outputs
-    /// are `Delta`'s within one rounding step of the state.
-    DeltaPipe,
     /// The general kernel of every operation, one q/k head with its value heads per CTA
     /// (`kda_step`).
     Step,

@@ -883,18 +883,12 @@ fn cuda_tensor_core_ring_kernel_matches_the_cpu_backend() {
 /// `compare_with_cpu`'s mix of decodes, verifies and flushes with every fourth call on
 /// `kda_step`, which stores no vectors, so the next call replays (the long path); every pool
 /// dtype, both layouts, GVA, bf16 inputs (fp32 ones with an fp32 pool), and a head of 96
-/// columns (a partial item; fp32 and fp16 pools). The same for `kda_ring_delta_pipe` (which
-/// takes the calls it fits, whole heads of K = 128, and leaves the rest to `kda_ring_delta`).
+/// columns (a partial item; fp32 and fp16 pools).
 #[test]
 fn cuda_delta_ring_kernel_matches_the_cpu_backend() {
     let Some(cu) = cuda() else { return };
-    for kernel in [RingKernel::DeltaPipe, RingKernel::Delta] {
-        delta_kernel_matches_the_cpu_backend(&cu, kernel);
-    }
-}
-
-fn delta_kernel_matches_the_cpu_backend(cu: &CudaBackend, kernel: RingKernel) {
-    cu.set_ring_kernel(Some(kernel)).expect("ring kernel");
+    cu.set_ring_kernel(Some(RingKernel::Delta))
+        .expect("ring kernel");
     for state in Dtype::ALL {
         for layout in [StateLayout::KFirst, StateLayout::VFirst] {
             // (fp32 inputs and the partial item with fewer pool dtypes: each shape and dtype
@@ -916,29 +910,30 @@ fn delta_kernel_matches_the_cpu_backend(cu: &CudaBackend, kernel: RingKernel) {
                     spec_every: 0,
                     ..Calls::mixed(0)
                 };
-                let (d, _) = compare_with_cpu_every(cu, &c, 20, seed, decodes);
+                let (d, _) = compare_with_cpu_every(&cu, &c, 20, seed, decodes);
                 let verifies = Calls {
                     spec_every: 1,
                     chain: true,
                     ..Calls::mixed(ring_len)
                 };
-                let (e, _) = compare_with_cpu_every(cu, &c, 12, seed + 50, verifies);
+                let (e, _) = compare_with_cpu_every(&cu, &c, 12, seed + 50, verifies);
                 let step_every_fourth = |call: usize| {
-                    let k = if call % 4 == 1 {
+                    let kernel = if call % 4 == 1 {
                         RingKernel::Step
                     } else {
-                        kernel
+                        RingKernel::Delta
                     };
-                    cu.set_ring_kernel(Some(k)).expect("ring kernel");
+                    cu.set_ring_kernel(Some(kernel)).expect("ring kernel");
                 };
                 let mixed = Calls {
                     before: &step_every_fourth,
                     ..Calls::mixed(ring_len)
                 };
-                let (f, _) = compare_with_cpu_every(cu, &c, 16, seed + 100, mixed);
-                cu.set_ring_kernel(Some(kernel)).expect("ring kernel");
+                let (f, _) = compare_with_cpu_every(&cu, &c, 16, seed + 100, mixed);
+                cu.set_ring_kernel(Some(RingKernel::Delta))
+                    .expect("ring kernel");
                 eprintln!(
-                    "{kernel:?}: {state} {layout:?} H={h} HV={hv} K={k} V={v} {input} inputs ring {ring_len}: outputs within {:.2e} of the CPU's",
+                    "{state} {layout:?} H={h} HV={hv} K={k} V={v} {input} inputs ring {ring_len}: outputs within {:.2e} of the CPU's",
                     d.max(e).max(f)
                 );
             }

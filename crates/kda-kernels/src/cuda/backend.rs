@@ -511,13 +511,10 @@ struct RingShape {
     stochastic: bool,
     /// Whether the pool has a delta plane (`kda_ring_delta` needs one).
     deltas: bool,
-    /// Whether the device has bulk copies (`kda_ring_delta_pipe` needs them).
-    bulk: bool,
     smem_optin: usize,
 }
 
-/// A launch of `kda_ring`, `kda_ring_tile`, `kda_ring_mma`, `kda_ring_delta` or
-/// `kda_ring_delta_pipe`.
+/// A launch of `kda_ring`, `kda_ring_tile`, `kda_ring_mma` or `kda_ring_delta`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RingPlan {
     /// Which of them (never [`RingKernel::Step`]).
@@ -532,43 +529,6 @@ struct RingPlan {
     vblocks: usize,
     /// Dynamic shared memory, bytes.
     smem: usize,
-    /// `kda_ring_delta_pipe`'s step groups of eight warps and buffers per CTA (0 for the others).
-    groups: usize,
-    buffers: usize,
-}
-
-/// `kda_ring_delta_pipe`'s (step groups, buffers) per CTA, most preferred first: buffers a
-/// multiple of the groups (a group's wait on a buffer's barrier must find the phase it waits
-/// for) and of its two loader warps, two per group where they fit so that each group's next
-/// item loads while it computes.
-const DELTA_PIPE_SHAPES: [(usize, usize); 4] = [(3, 6), (2, 4), (2, 2), (1, 2)];
-/// `kda_ring_delta_pipe`'s loader warps (`DPIPE_LOADERS`); one storer warp besides.
-const DELTA_PIPE_LOADERS: usize = 2;
-
-/// `kda_ring_delta_pipe`'s (groups, buffers, dynamic shared memory) at this shape, from the
-/// bytes of one buffer and of one group's arrays (`DPipeBuffer`, `DPipeScratch` in
-/// `kernels/kda_ring_pipe.cu`; `rows`: `RingTileLayout`'s raw rows), or `None` where not even
-/// one group and two buffers fit.
-fn delta_pipe_shape(s: &RingShape, rows: usize) -> Option<(usize, usize, usize)> {
-    let r16 = |x: usize| x.div_ceil(16) * 16;
-    let (mt, mq, ks, cw) = (
-        s.ring_len + s.max_new,
-        s.max_new,
-        s.k.next_multiple_of(4),
-        ring_item_columns(s.k),
-    );
-    // the tile with K-first's row shifts (LK x WC elements), raw rows, vectors, 32 words
-    let tile = r16((s.k * s.v + 8 * warp_columns(s.k)) * s.state_size);
-    let buffer = (tile + rows + 4 * mt * cw + 4 * 32).next_multiple_of(PIPE_ALIGN);
-    let floats = 4 * mt * ks + 2 * mq * ks + mt * cw + ks;
-    let scratch = 4 * floats + r16(4 * mt * mt) + r16(4 * mq * mt) + r16(4 * mq) + r16(4 * mt) + 16;
-    // the mbarriers' static shared memory, with room to spare
-    let fixed = PIPE_ALIGN + 256;
-    DELTA_PIPE_SHAPES
-        .iter()
-        .map(|&(g, b)| (g, b, b * buffer + g * scratch))
-        .find(|&(_, _, smem)| smem + fixed <= s.smem_optin)
-        .map(|(g, b, smem)| (g, b, smem + PIPE_ALIGN))
 }
 
 /// Threads of a `kda_ring` CTA (`RT` in `kernels/kda_ring.cu`).
@@ -605,8 +565,6 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         || (kernel == RingKernel::Mma
             && (s.k != MMA_ITEM || cw != MMA_ITEM || !s.v.is_multiple_of(MMA_ITEM)))
         || (kernel == RingKernel::Delta && (!s.deltas || !s.v.is_multiple_of(4)))
-        || (kernel == RingKernel::DeltaPipe
-            && (!s.deltas || !s.bulk || s.k != MMA_ITEM || s.v != cw || s.max_new == 0))
     {
         return None;
     }
@@ -624,13 +582,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let tokb = 2 * r16(s.k * isz) + r16(cw * isz);
     // token rows, raw queries, dt_bias: kda_ring has two stages of them, the others one
     let rows = mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
-    let (mut groups, mut buffers) = (0, 0);
     let smem = match kernel {
-        RingKernel::DeltaPipe => {
-            let (g, b, smem) = delta_pipe_shape(s, rows)?;
-            (groups, buffers) = (g, b);
-            smem
-        }
         RingKernel::Tile => rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt),
         RingKernel::Delta => {
             // Tile's, then the delta vectors by token, a block of R k rows per new token (one at
@@ -657,8 +609,6 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         gran,
         vblocks: s.v.div_ceil(cw),
         smem,
-        groups,
-        buffers,
     })
 }
 
@@ -735,15 +685,6 @@ fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
 /// eighteenth and nineteenth sessions).
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
     let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
-    if forced == Some(RingKernel::DeltaPipe) {
-        // decode and spec_verify calls it fits; `Delta` for the others
-        if matches!(op, Op::Decode | Op::SpecVerify) {
-            if let Some(p) = ring_plan(s, RingKernel::DeltaPipe) {
-                return Some(p);
-            }
-        }
-        return ring_plan(s, RingKernel::Delta);
-    }
     if forced.is_none() && delta_default(s, op) {
         if let Some(p) = ring_plan(s, RingKernel::Delta) {
             return Some(p);
@@ -1199,7 +1140,6 @@ impl CudaBackend {
                 heads: n * g.hv,
                 stochastic: sr == 1,
                 deltas: g.ring_deltas,
-                bulk: self.has_bulk_copies,
                 smem_optin: self.smem_optin,
             };
             ring_choice(&shape, call.op, *self.ring_kernel.lock())
@@ -1239,12 +1179,6 @@ impl CudaBackend {
                 let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
                 (f, name, pl.smem, Some(grid))
             }
-            (None, Some(rp)) if rp.kernel == RingKernel::DeltaPipe => {
-                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
-                let threads = (8 * rp.groups + DELTA_PIPE_LOADERS + 1) * 32;
-                let grid = self.persistent_grid(&f, name, threads, rp.smem)?;
-                (f, name, rp.smem, Some(grid))
-            }
             (None, Some(rp)) if rp.kernel != RingKernel::Pipelined => {
                 let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
                 Self::opt_in_smem(&f, name, rp.smem)?;
@@ -1264,12 +1198,7 @@ impl CudaBackend {
             };
             (g.hv, 1usize, pl.vblocks, warps)
         } else if let Some(rp) = ring_pipe {
-            let warps = if rp.kernel == RingKernel::DeltaPipe {
-                8 * rp.groups + DELTA_PIPE_LOADERS + 1
-            } else {
-                RING_THREADS / 32
-            };
-            (g.hv, 1usize, rp.vblocks, warps)
+            (g.hv, 1usize, rp.vblocks, RING_THREADS / 32)
         } else if ring {
             let w = warps_per_head.min(8);
             (g.h, g.group(), 1usize, w)
@@ -1349,11 +1278,7 @@ impl CudaBackend {
             heads_per_cta: heads_per_cta as u32,
             units: units as u32,
             vblocks: vblocks as u32,
-            stages: match (pipe, ring_pipe) {
-                (Some(pl), _) => pl.stages as u32,
-                (None, Some(rp)) if rp.kernel == RingKernel::DeltaPipe => rp.buffers as u32,
-                _ => 2,
-            },
+            stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
             early: match (dependent, pipe.is_some_and(|pl| pl.slot_once)) {
                 (false, _) => 0,
@@ -1375,10 +1300,9 @@ impl CudaBackend {
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
-        // launch bounds (<= 256 threads; PIPE_THREADS for kda_eager_bulk_pipe, at most that for
-        // kda_ring_delta_pipe); the pipelined kernels' dynamic shared memory was checked
-        // against the device's opt-in limit and their copies against the shape (`eager_plan`,
-        // `ring_plan`); every KDA kernel runs
+        // launch bounds (<= 256 threads; PIPE_THREADS for kda_eager_bulk_pipe); the pipelined
+        // kernels' dynamic shared memory was checked against the device's opt-in limit and
+        // their copies against the shape (`eager_plan`, `ring_plan`); every KDA kernel runs
         // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs, before any access
         // that could see the previous grid's writes (before it: the host-written slots and
         // sequence bounds, and L2 prefetches with `early`).
@@ -2038,7 +1962,6 @@ mod tests {
             heads: 768,
             stochastic: false,
             deltas: false,
-            bulk: false,
             smem_optin: 227 * 1024,
         }
     }
@@ -2081,65 +2004,6 @@ mod tests {
         assert!(two_per_sm(p), "{} bytes", p.smem);
         let p = ring_plan(&ring_shape(2, 10, 4), RingKernel::Mma).unwrap();
         assert!(3 * (p.smem + 1024) <= 228 * 1024, "{} bytes", p.smem);
-    }
-
-    #[test]
-    fn delta_pipe_fits_the_benchmarked_shapes_and_leaves_other_calls_to_the_delta_kernel() {
-        let forced = |s: &RingShape, op| ring_choice(s, op, Some(RingKernel::DeltaPipe));
-        // (pool dtype bytes, ring, drafts) -> (step groups, buffers): two buffers per group
-        // where they fit 227 KiB
-        for (state_size, ring_len, max_new, shape) in [
-            (2, 8, 1, (2, 4)),
-            (2, 6, 2, (2, 4)),
-            (2, 10, 4, (2, 2)),
-            (4, 8, 1, (2, 2)),
-            (4, 10, 4, (1, 2)),
-        ] {
-            let mut s = ring_shape(state_size, ring_len, max_new);
-            (s.deltas, s.bulk) = (true, true);
-            for op in [Op::Decode, Op::SpecVerify] {
-                let p = forced(&s, op).expect("fits");
-                assert_eq!(
-                    p.kernel,
-                    RingKernel::DeltaPipe,
-                    "{state_size} {ring_len} {max_new}"
-                );
-                assert_eq!(
-                    (p.groups, p.buffers),
-                    shape,
-                    "{state_size} {ring_len} {max_new}"
-                );
-                assert_eq!(p.buffers % p.groups, 0);
-                assert_eq!(p.buffers % DELTA_PIPE_LOADERS, 0);
-                assert!(p.smem + 256 <= s.smem_optin, "{} bytes", p.smem);
-            }
-            // replay, no bulk copies, K other than 128: kda_ring_delta
-            assert_eq!(
-                forced(&s, Op::Replay).map(|p| p.kernel),
-                Some(RingKernel::Delta)
-            );
-            let mut t = ring_shape(state_size, ring_len, max_new);
-            t.deltas = true;
-            assert_eq!(
-                forced(&t, Op::Decode).map(|p| p.kernel),
-                Some(RingKernel::Delta)
-            );
-            (t.bulk, t.k) = (true, 64);
-            assert_eq!(
-                forced(&t, Op::Decode).map(|p| p.kernel),
-                Some(RingKernel::Delta)
-            );
-            // without a delta plane neither runs: kda_step
-            s.deltas = false;
-            assert_eq!(forced(&s, Op::Decode), None);
-        }
-        // never by default
-        let mut s = ring_shape(2, 8, 1);
-        (s.deltas, s.bulk) = (true, true);
-        assert_eq!(
-            ring_choice(&s, Op::Decode, None).map(|p| p.kernel),
-            Some(RingKernel::Delta)
-        );
     }
 
     #[test]

@@ -24,7 +24,6 @@ const DECODE: &str = include_str!("../../../../kernels/kda_decode.cu");
 const RING: &str = include_str!("../../../../kernels/kda_ring.cu");
 const RING_MMA: &str = include_str!("../../../../kernels/kda_ring_mma.cu");
 const RING_DELTA: &str = include_str!("../../../../kernels/kda_ring_delta.cu");
-const RING_PIPE: &str = include_str!("../../../../kernels/kda_ring_pipe.cu");
 const FILL: &str = include_str!("../../../../kernels/kda_fill.cu");
 
 /// What a `kda_step` module is specialised on.
@@ -65,7 +64,6 @@ enum Key {
     RingTile(StepKey),
     RingMma(StepKey),
     RingDelta(StepKey),
-    RingDeltaPipe(StepKey),
     Fill,
     Copy,
 }
@@ -87,7 +85,6 @@ impl Key {
             Key::RingTile(_) => "kda_ring_tile",
             Key::RingMma(_) => "kda_ring_mma",
             Key::RingDelta(_) => "kda_ring_delta",
-            Key::RingDeltaPipe(_) => "kda_ring_delta_pipe",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -108,14 +105,13 @@ impl Key {
             | Key::Ring(k)
             | Key::RingTile(k)
             | Key::RingMma(k)
-            | Key::RingDelta(k)
-            | Key::RingDeltaPipe(k) => ModuleKey::Step(k),
+            | Key::RingDelta(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (fourteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (thirteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -124,7 +120,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 14] {
+fn step_module(k: StepKey) -> [Key; 13] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -139,7 +135,6 @@ fn step_module(k: StepKey) -> [Key; 14] {
         Key::RingTile(k),
         Key::RingMma(k),
         Key::RingDelta(k),
-        Key::RingDeltaPipe(k),
     ]
 }
 
@@ -192,7 +187,7 @@ pub(crate) fn step_source(key: &StepKey) -> String {
     );
     source(
         &defines,
-        &format!("{DECODE}\n{RING}\n{RING_MMA}\n{RING_DELTA}\n{RING_PIPE}"),
+        &format!("{DECODE}\n{RING}\n{RING_MMA}\n{RING_DELTA}"),
     )
 }
 
@@ -392,8 +387,7 @@ pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 
 /// A one-item-per-CTA ring kernel specialised on `key` (same module as `kda_step`), compiled on
 /// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], `kda_ring_delta` for
-/// [`RingKernel::Delta`], `kda_ring_delta_pipe` (persistent) for [`RingKernel::DeltaPipe`], else
-/// `kda_ring_tile`.
+/// [`RingKernel::Delta`], else `kda_ring_tile`.
 pub(crate) fn ring_tile_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
@@ -402,7 +396,6 @@ pub(crate) fn ring_tile_kernel(
     let k = match kernel {
         RingKernel::Mma => Key::RingMma(key),
         RingKernel::Delta => Key::RingDelta(key),
-        RingKernel::DeltaPipe => Key::RingDeltaPipe(key),
         _ => Key::RingTile(key),
     };
     Ok((get(ctx, k)?, k.entry()))
@@ -480,8 +473,7 @@ mod tests {
                 "kda_ring",
                 "kda_ring_tile",
                 "kda_ring_mma",
-                "kda_ring_delta",
-                "kda_ring_delta_pipe"
+                "kda_ring_delta"
             ]
         );
     }
