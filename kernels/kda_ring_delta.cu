@@ -94,10 +94,298 @@ __device__ __forceinline__ float scatter_sums(const float (&ak)[TV], const float
     return keep + KDA_SHFL_XOR(send, LV);
 }
 
-} // namespace kda
+// ---------------------------------------------------------------------------------------------
+// Ring decode on the short path, lean (ring_delta_decode): one new token per item and every
+// pending entry's delta vector stored, K = V = 128. The general item below spends most of a
+// decode item's instructions on integer work and on phases that a few warps run while the
+// others wait at a barrier (docs/performance.md, thirty-fourth session). Here the new token's
+// inputs go straight into registers, split over the lanes (lane L holds K rows 4 L .. 4 L + 3),
+// a warp copies and activates one pending entry, and then every warp computes, for itself and
+// with no barrier, the pair sums c_tj and e_tj over the split rows (full-warp sums), P_t k_t
+// and P_t q_t (turned into the tile's lane mapping through a row of its own in shared
+// memory), the two products with the tile and the corrections sum_j c_tj u_j, sum_j e_tj u_j.
+// Two barriers per item before the end instead of six. A commit (pend = ring_len) folds the
+// pending entries into the tile (diag(P) S, then the rank-pend update, a warp's R k rows
+// through its row) and decodes the new token in the committed frame.
+constexpr bool LEAN_FITS = K == 128 && V == 128 && SCATTER && RCW == V;
+// K rows per lane in the split layout (the path runs only where LEAN_FITS: 4)
+constexpr int KR = LEAN_FITS ? 4 : 1;
 
-extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
-    using namespace kda;
+// Byte offsets in dynamic shared memory of the lean path (mirrored by `ring_plan` in
+// backend.rs): per pending entry its raw k and g rows (RK each), its delta vector (f32 [V]),
+// its activated key and decay (f32 [K] each); then two f32 rows [K] per warp.
+struct LeanLayout {
+    int raw, u, ka, da, pw;
+    __device__ __forceinline__ explicit LeanLayout(int ring_len) {
+        raw = 0;
+        u = raw + ring_len * 2 * RK;
+        ka = u + ring_len * 4 * V;
+        da = ka + ring_len * 4 * K;
+        pw = da + ring_len * 4 * K; // then (RT / 32) x 2 x 4 K bytes: the end
+    }
+};
+
+// A lane's KR split rows of a K row of inputs (16-byte aligned rows of K elements).
+__device__ __forceinline__ void split_load(const IT* row, int lane, float (&x)[KR]) {
+    kda_load_vec<IT, KR>(row + KR * lane, x);
+}
+
+// l2-normalises the split rows x of a K row (every lane of the warp), FAST as act_finish.
+__device__ __forceinline__ void split_l2(float (&x)[KR], bool l2) {
+    if (!l2) return;
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) ss += x[i] * x[i];
+    const float rn = rsqrtf(warp_sum(ss) + 1e-6f);
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] *= rn;
+}
+
+// A lane's split rows of an f32 K row in shared memory: stored, loaded.
+__device__ __forceinline__ void split_store(float* row, int lane, const float (&x)[KR]) {
+    if constexpr (KR == 4) {
+        *reinterpret_cast<float4*>(row + KR * lane) = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) row[KR * lane + i] = x[i];
+    }
+}
+__device__ __forceinline__ void split_from(const float* row, int lane, float (&x)[KR]) {
+    if constexpr (KR == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(row + KR * lane);
+        x[0] = v.x;
+        x[1] = v.y;
+        x[2] = v.z;
+        x[3] = v.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) x[i] = row[KR * lane + i];
+    }
+}
+
+// Stores KR raw input elements (exact f32 images of IT values) at dst, one at a time (a ring
+// row is only ring_gran-aligned).
+__device__ __forceinline__ void split_store_raw(IT* dst, const float (&x)[KR]) {
+#pragma unroll
+    for (int i = 0; i < KR; ++i) dst[i] = KdaElem<IT>::from_f32(x[i]);
+}
+
+// The lean path of one item (blockIdx.x); false, before any write, for an item it does not
+// take (not one new token, or pending entries without stored vectors): the caller then runs
+// the general item.
+__device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
+    extern __shared__ __align__(16) unsigned char dsm[];
+    __shared__ Plan z_plan;
+    __shared__ float z_aexp;
+    __shared__ kda_u32 z_cached, z_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lk = lane / LV, lv = lane % LV;
+    TileItem it = tile_item_begin(p);
+    if (it.nnew != 1u) return false;
+    const TilePlanLoads pl0 = tile_plan_loads(p, it);
+    kda_u32 had = 0u;
+    if (threadIdx.x == 64) had = reinterpret_cast<const volatile kda_u32*>(it.meta)[3];
+    const kda_u32 slot = it.slot, bos = it.bos;
+    const int hv = it.hv, h = it.h;
+    const bool gate = p.gate_mode != 0u;
+    // the new token's inputs, split (the value: a k lane's one column, below)
+    float kt[KR], qt[KR], gt[KR], bias[KR];
+    split_load(reinterpret_cast<const IT*>(p.k) + ((size_t)bos * p.h + h) * K, lane, kt);
+    split_load(reinterpret_cast<const IT*>(p.q) + ((size_t)bos * p.h + h) * K, lane, qt);
+    split_load(reinterpret_cast<const IT*>(p.g) + ((size_t)bos * p.hv + hv) * K, lane, gt);
+    if (gate) {
+        split_from(reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, lane, bias);
+    } else {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) bias[i] = 0.0f;
+    }
+    const int mc = lk & 3, col0l = warp * WC + lv * TV, colm = col0l + mc;
+    const bool isq = lk >= 4;
+    const float vraw = kda_load(reinterpret_cast<const IT*>(p.v)[((size_t)bos * p.hv + hv) * V + colm]);
+    const float braw = kda_load(reinterpret_cast<const IT*>(p.beta)[(size_t)bos * p.hv + hv]);
+    tile_plan_finish(p, it, pl0, z_plan, z_aexp);
+    if (threadIdx.x == 64) z_cached = had;
+    __syncthreads();
+    const Plan pl = z_plan;
+    const int pend = (int)pl.pend;
+    if (min(z_cached, (kda_u32)pend) != (kda_u32)pend) return false;
+    const bool store = pl.store_after != KDA_NONE;
+    // a warp per pending entry: its raw key and gate rows and its delta vector
+    const LeanLayout Z((int)p.ring_len);
+    const size_t entry = ring_entry_elems(p);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    const int gran = (int)p.ring_gran;
+    for (int j = warp; j < pend; j += RT / 32) {
+        const IT* e = ring + (size_t)j * entry;
+        unsigned char* raw = dsm + Z.raw + j * 2 * RK;
+        copy_row(raw, e + (size_t)h * K, K * (int)sizeof(IT), gran, lane);
+        copy_row(raw + RK, e + ring_off_g(p, hv), K * (int)sizeof(IT), gran, lane);
+        copy_row(dsm + Z.u + j * 4 * V, delta_row(p, slot, (kda_u32)j, hv, 0), 4 * V, 16, lane);
+    }
+    cp_async_commit();
+    ST* head = state_head(p, slot, (size_t)hv);
+    float s[TK][TV];
+    kda_u32 w[TW];
+    tile_load_lane(head, lk, col0l, w, s);
+    // the new token's activations, in every warp (the FAST choices of the general item)
+    const float a_exp = z_aexp;
+    const bool l2 = p.l2norm != 0u;
+    split_l2(kt, l2);
+    split_l2(qt, l2);
+    float dt[KR], qk = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) {
+        qt[i] *= p.scale;
+        dt[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
+        qk = fmaf(qt[i], kt[i], qk);
+    }
+    qk = warp_sum(qk);
+    const float bt = act_beta(braw, p);
+    cp_async_wait<0>();
+    __syncthreads();
+    const kda_u32 old = tile_arrive(it.meta);
+    // a warp per pending entry: its activated key and decay, split
+    float* ka = reinterpret_cast<float*>(dsm + Z.ka);
+    float* da = reinterpret_cast<float*>(dsm + Z.da);
+    for (int j = warp; j < pend; j += RT / 32) {
+        const unsigned char* raw = dsm + Z.raw + j * 2 * RK;
+        float x[KR], g[KR];
+        split_load(reinterpret_cast<const IT*>(raw), lane, x);
+        split_load(reinterpret_cast<const IT*>(raw + RK), lane, g);
+        split_l2(x, l2);
+#pragma unroll
+        for (int i = 0; i < KR; ++i) g[i] = decay_at<sizeof(ST) == 2>(g[i], &bias[i], p, a_exp);
+        split_store(ka + j * K, lane, x);
+        split_store(da + j * K, lane, g);
+    }
+    __syncthreads();
+    const float* ua = reinterpret_cast<const float*>(dsm + Z.u);
+    float* pk = reinterpret_cast<float*>(dsm + Z.pw) + warp * 2 * K;
+    float* pq = pk + K;
+    const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+    // rr: R_{t,j} of the split rows while j goes down, then P_t
+    float rr[KR], corr = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) rr[i] = dt[i];
+    if constexpr (TILE_WORDS) tile_from_words(w, s);
+    if (!store) {
+        // c_tj = k_t . R_tj k_j and e_tj = q_t . R_tj k_j, and at once the lane's correction
+        // sum_j (c_tj or e_tj) u_j of its column
+        for (int j = pend - 1; j >= 0; --j) {
+            float kj[KR], dj[KR];
+            split_from(ka + j * K, lane, kj);
+            split_from(da + j * K, lane, dj);
+            float c = 0.0f, e = 0.0f;
+#pragma unroll
+            for (int i = 0; i < KR; ++i) {
+                const float x = rr[i] * kj[i];
+                c = fmaf(kt[i], x, c);
+                e = fmaf(qt[i], x, e);
+                rr[i] *= dj[i];
+            }
+            c = warp_sum(c);
+            e = warp_sum(e);
+            corr = fmaf(isq ? e : c, ua[j * V + colm], corr);
+        }
+    } else if (pend > 0) {
+        // the commit: diag(P) S + sum_j (R_{pend-1,j} k_j) u_j^T, rounded once; P first
+        float pr[KR], rk[KR];
+#pragma unroll
+        for (int i = 0; i < KR; ++i) pr[i] = rk[i] = 1.0f;
+        for (int j = 0; j < pend; ++j) {
+            float dj[KR];
+            split_from(da + j * K, lane, dj);
+#pragma unroll
+            for (int i = 0; i < KR; ++i) pr[i] *= dj[i];
+        }
+        split_store(pk, lane, pr);
+        __syncwarp();
+        {
+            float pv[TK];
+            rows_from_smem(pk, lk, pv);
+#pragma unroll
+            for (int r = 0; r < TK; ++r)
+#pragma unroll
+                for (int c = 0; c < TV; ++c) s[r][c] *= pv[r];
+        }
+        for (int j = pend - 1; j >= 0; --j) {
+            float kj[KR], dj[KR], ek[KR];
+            split_from(ka + j * K, lane, kj);
+            split_from(da + j * K, lane, dj);
+#pragma unroll
+            for (int i = 0; i < KR; ++i) {
+                ek[i] = rk[i] * kj[i];
+                rk[i] *= dj[i];
+            }
+            __syncwarp();
+            split_store(pk, lane, ek);
+            __syncwarp();
+            float ev[TK];
+            rows_from_smem(pk, lk, ev);
+            const float4 u4 = *reinterpret_cast<const float4*>(ua + j * V + col0l);
+            const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+            for (int r = 0; r < TK; ++r)
+#pragma unroll
+                for (int c = 0; c < TV; ++c) s[r][c] = fmaf(ev[r], uv[c % 4], s[r][c]);
+        }
+        store_tile<false, true>(head, lk, col0l, s, 0u, elem0);
+    }
+    // P_t k_t and P_t q_t in the tile's lane mapping, through the warp's rows
+    float x[KR];
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = rr[i] * kt[i];
+    __syncwarp();
+    split_store(pk, lane, x);
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = rr[i] * qt[i];
+    split_store(pq, lane, x);
+    __syncwarp();
+    float ak[TV], aq[TV];
+#pragma unroll
+    for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
+    {
+        float kv[TK], qv[TK];
+        rows_from_smem(pk, lk, kv);
+        rows_from_smem(pq, lk, qv);
+#pragma unroll
+        for (int r = 0; r < TK; ++r)
+#pragma unroll
+            for (int c = 0; c < TV; ++c) {
+                ak[c] = fmaf(kv[r], s[r][c], ak[c]);
+                aq[c] = fmaf(qv[r], s[r][c], aq[c]);
+            }
+    }
+    // lane lk of a column group: k S of column mc (lk < 4) or q S of it, then the new token's
+    // delta vector (the k lanes) and output (the q lanes)
+    const float a = scatter_sums(ak, aq, lk) + corr;
+    const float u = bt * (vraw - a);
+    const float uq = KDA_SHFL_XOR(u, 4 * LV);
+    if (!isq) {
+        if (pl.append_at != KDA_NONE) delta_row(p, slot, pl.append_at, hv, colm)[0] = u;
+    } else {
+        reinterpret_cast<IT*>(p.out)[((size_t)bos * p.hv + hv) * V + colm] = KdaElem<IT>::from_f32(fmaf(qk, uq, a));
+    }
+    // the new entry's raw inputs (a commit's: the slot's last CTA, in tile_settle)
+    if (!store && pl.append_at != KDA_NONE) {
+        IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + pl.append_at) * entry;
+        if (!isq) e[ring_off_v(p, hv) + colm] = KdaElem<IT>::from_f32(vraw);
+        if (warp == 0 && hv == h * it.group) {
+            float r[KR];
+            split_load(reinterpret_cast<const IT*>(p.k) + ((size_t)bos * p.h + h) * K, lane, r);
+            split_store_raw(e + (size_t)h * K + KR * lane, r);
+        } else if (warp == 1) {
+            split_store_raw(e + ring_off_g(p, hv) + KR * lane, gt);
+        } else if (warp == 2 && lane == 0) {
+            e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(braw);
+        }
+    }
+    tile_settle(p, pl, old, it.per_seq, store, it.meta, slot, bos, 1u, z_last, pl.new_len);
+    return true;
+}
+
+// The general item (any number of new tokens, the long path).
+__device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Plan s_plan;
     __shared__ float s_aexp;
@@ -362,4 +650,14 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     // every entry the ring keeps has its vector when the item worked; else those it had
     const kda_u32 cached = work ? pl.new_len : min(s_cached, pl.new_len);
     tile_settle(p, pl, old, per_seq, store, meta, slot, bos, nnew, s_last, cached);
+}
+
+} // namespace kda
+
+extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
+    using namespace kda;
+    if constexpr (LEAN_FITS) {
+        if (p.op == KDA_OP_DECODE && ring_delta_decode(p)) return;
+    }
+    ring_delta_item(p);
 }

@@ -588,7 +588,17 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
             // Tile's, then the delta vectors by token, a block of R k rows per new token (one at
             // least: a commit's), P k and P q per new token, P, the pair sums and q . k
             let floats = mt * cw + mq.max(1) * mt * ks + 2 * mq * ks + ks + 2 * mq * mt;
-            rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt) + 4 * floats + r16(4 * mq)
+            let general =
+                rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt) + 4 * floats + r16(4 * mq);
+            // its lean decode path (K = V = 128, `LeanLayout`): per ring entry the raw k and g
+            // rows, the delta vector, the activated key and decay; two f32 rows per warp
+            let lean = if s.k == 128 && s.v == 128 {
+                s.ring_len * (2 * r16(s.k * isz) + 4 * s.v + 8 * s.k)
+                    + (RING_THREADS / 32) * 2 * 4 * s.k
+            } else {
+                0
+            };
+            general.max(lean)
         }
         RingKernel::Mma => {
             // keys and queries, decays (rows of K + 4 floats); the pair matrices, betas, P; the
