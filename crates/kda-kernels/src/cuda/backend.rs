@@ -2078,6 +2078,31 @@ mod tests {
     }
 
     #[test]
+    fn delta_plan_holds_the_lean_decode_paths_shared_memory() {
+        // `LeanLayout` of kernels/kda_ring_delta.cu at K = V = 128: per ring entry the raw k
+        // and g rows (16-byte rounded), the delta vector, the activated key and decay (f32);
+        // then two f32 rows per warp
+        for input_size in [2, 4] {
+            for ring_len in 1..=RING_MAX_TOKENS - 1 {
+                let mut s = ring_shape(2, ring_len, 1);
+                (s.deltas, s.input_size) = (true, input_size);
+                let raw_row = (128 * input_size).next_multiple_of(16);
+                let u = ring_len * 2 * raw_row;
+                let ka = u + ring_len * 4 * 128;
+                let da = ka + ring_len * 4 * 128;
+                let pw = da + ring_len * 4 * 128;
+                let end = pw + 8 * 2 * 4 * 128;
+                let p = ring_plan(&s, RingKernel::Delta).expect("decode fits");
+                assert!(
+                    p.smem >= end,
+                    "ring {ring_len}, {input_size}-byte inputs: {} < {end}",
+                    p.smem
+                );
+            }
+        }
+    }
+
+    #[test]
     fn ring_choice_takes_the_tile_kernel_where_it_measured_faster() {
         // one item per CTA: kda_ring_tile, or kda_ring_mma where it measured faster still
         let tile = |state_size, max_new, heads, op| {
