@@ -548,9 +548,10 @@ fn ring_item_columns(k: usize) -> usize {
 /// copies, token rows that are not whole 4-byte copies, too many tokens per item, too much shared
 /// memory; for `kda_ring_mma` also K other than 128 or value heads that are not whole 128-column
 /// items; for `kda_ring_delta` a pool without a delta plane or V not a multiple of 4): then
-/// `kda_step` runs. Mirrors `RingLayout`, `RingTileLayout`, `MmaLayout`, `DeltaLayout` and the
-/// constants of `kernels/kda_ring.cu`, `kernels/kda_ring_mma.cu` and `kernels/kda_ring_delta.cu`
-/// (an item of each kernel is eight warps of `kda_step`'s lane mapping).
+/// `kda_step` runs. Mirrors `RingLayout`, `RingTileLayout`, `MmaLayout`, `DeltaLayout`,
+/// `LeanLayout` and the constants of `kernels/kda_ring.cu`, `kernels/kda_ring_mma.cu` and
+/// `kernels/kda_ring_delta.cu` (an item of each kernel is eight warps of `kda_step`'s lane
+/// mapping).
 fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = ring_item_columns(s.k);
