@@ -68,6 +68,28 @@ __device__ __forceinline__ void store_delta(float* dst, const float (&u)[TV], in
     }
 }
 
+// A commit's fold of the lane's tile: its rows times the factors of an f32 K row in shared
+// memory (diag(P) S), and plus an outer product e u^T of an f32 K row e and the lane's TV = 4
+// columns u of a delta vector (16-byte aligned).
+__device__ __forceinline__ void tile_scale_rows(float (&s)[TK][TV], const float* row, int lk) {
+    float pv[TK];
+    rows_from_smem(row, lk, pv);
+#pragma unroll
+    for (int r = 0; r < TK; ++r)
+#pragma unroll
+        for (int c = 0; c < TV; ++c) s[r][c] *= pv[r];
+}
+__device__ __forceinline__ void tile_add_outer(float (&s)[TK][TV], const float* erow, const float* u, int lk) {
+    float ev[TK];
+    rows_from_smem(erow, lk, ev);
+    const float4 u4 = *reinterpret_cast<const float4*>(u);
+    const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+    for (int r = 0; r < TK; ++r)
+#pragma unroll
+        for (int c = 0; c < TV; ++c) s[r][c] = fmaf(ev[r], uv[c % 4], s[r][c]);
+}
+
 // Eight lanes per column group and four columns per lane (K = 128): the new tokens' sums are
 // scattered over the group's lanes instead of reduced into every lane (scatter_sums).
 constexpr bool SCATTER = LK == 8 && TV == 4;
@@ -98,19 +120,25 @@ __device__ __forceinline__ float scatter_sums(const float (&ak)[TV], const float
 // Ring decode on the short path, lean (ring_delta_decode): one new token per item and every
 // pending entry's delta vector stored, K = V = 128. The general item below spends most of a
 // decode item's instructions on integer work and on phases that a few warps run while the
-// others wait at a barrier (docs/performance.md, thirty-fourth session). Here the new token's
-// inputs go straight into registers, split over the lanes (lane L holds K rows 4 L .. 4 L + 3),
-// a warp copies and activates one pending entry, and then every warp computes, for itself and
-// with no barrier, the pair sums c_tj and e_tj over the split rows (full-warp sums), P_t k_t
-// and P_t q_t (turned into the tile's lane mapping through a row of its own in shared
-// memory), the two products with the tile and the corrections sum_j c_tj u_j, sum_j e_tj u_j.
-// Three barriers per item before the end (the plan, the pending rows, their activations)
-// instead of six. A commit (pend = ring_len) folds the pending entries into the tile (diag(P)
-// S, then the rank-pend update, a warp's R k rows through its row) and decodes the new token in
-// the committed frame. On the H200 ring decode measured 4-12% faster than the general item
-// (14-16% at N = 1); slower were the tile's loads issued before the plan (5-12%), every ring
-// entry's rows copied before it (6-15%), and mixed the new token activated by one warp and
-// shared (-1.4% to +2.4%): an item's time is the latency of its chain, not its instructions.
+// others wait at a barrier (docs/performance.md, thirty-fourth session). Here every warp
+// plans the item for itself (no barrier), the new token's inputs go straight into registers,
+// split over the lanes (lane L holds K rows 4 L .. 4 L + 3), a warp copies and then activates
+// one pending entry (its own copies: no barrier between), and after the one barrier (the
+// activations) every warp computes, for itself, the pair sums c_tj and e_tj over the split rows
+// (four entries at a time, one transposed reduction: pair_sums), P_t k_t and P_t q_t (turned
+// into the tile's lane mapping through a row of its own in shared memory), the two products
+// with the tile and the corrections sum_j c_tj u_j, sum_j e_tj u_j. One barrier per item
+// before the end instead of six. A commit (pend = ring_len) folds the pending entries into the
+// tile (diag(P) S, then the rank-pend update, a warp's R k rows through its row) and decodes
+// the new token in the committed frame. On the H200 ring decode measured 4-12% faster than the
+// general item (14-16% at N = 1; thirty-fourth session, then with three barriers), and the
+// per-warp plan, the warp's own copies and the transposed pair sums 2-3% faster again for
+// fp16, 4-5% for bf16 and 1% for fp32 (thirty-fifth session); slower were the tile's loads
+// issued before the plan (5-12%), every ring entry's rows copied before it (6-15%), and mixed
+// the new token activated by one warp and shared (-1.4% to +2.4%): an item's time is the
+// latency of its chain, not its instructions. The same scheme for spec_verify (each warp
+// stepping the new tokens in order over its columns, with every pair sum of every token)
+// measured 0-9% slower than the general item (thirty-fifth session).
 constexpr bool LEAN_FITS = K == 128 && V == 128 && SCATTER && RCW == V;
 // K rows per lane in the split layout (the path runs only where LEAN_FITS: 4)
 constexpr int KR = LEAN_FITS ? 4 : 1;
@@ -174,24 +202,54 @@ __device__ __forceinline__ void split_store_raw(IT* dst, const float (&x)[KR]) {
     for (int i = 0; i < KR; ++i) dst[i] = KdaElem<IT>::from_f32(x[i]);
 }
 
+// Sums a lane's eight values x over the warp, transposed: lane L gets the sum of value
+// (L >> 2) & 7 (lanes 8 m .. 8 m + 3 value 2 m, lanes 8 m + 4 .. 8 m + 7 value 2 m + 1).
+// Nine shuffles where eight warp_sum take forty.
+__device__ __forceinline__ float pair_sums(float (&x)[8], int lane) {
+    // each round keeps the half of the values the lane's bit names and adds the partner's
+    // copy of it
+    const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const float send = b4 ? x[m] : x[m + 4], keep = b4 ? x[m + 4] : x[m];
+        x[m] = keep + KDA_SHFL_XOR(send, 16);
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const float send = b3 ? x[m] : x[m + 2], keep = b3 ? x[m + 2] : x[m];
+        x[m] = keep + KDA_SHFL_XOR(send, 8);
+    }
+    const float send = b2 ? x[0] : x[1], keep = b2 ? x[1] : x[0];
+    float s = keep + KDA_SHFL_XOR(send, 4);
+    s += KDA_SHFL_XOR(s, 2);
+    return s + KDA_SHFL_XOR(s, 1);
+}
+
 // The lean path of one item (blockIdx.x); false, before any write, for an item it does not
 // take (not one new token, or pending entries without stored vectors): the caller then runs
 // the general item.
 __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     extern __shared__ __align__(16) unsigned char dsm[];
-    __shared__ Plan z_plan;
-    __shared__ float z_aexp;
-    __shared__ kda_u32 z_cached, z_last;
+    __shared__ kda_u32 z_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
     TileItem it = tile_item_begin(p);
     if (it.nnew != 1u) return false;
-    const TilePlanLoads pl0 = tile_plan_loads(p, it);
-    kda_u32 had = 0u;
-    if (threadIdx.x == 64) had = reinterpret_cast<const volatile kda_u32*>(it.meta)[3];
     const kda_u32 slot = it.slot, bos = it.bos;
     const int hv = it.hv, h = it.h;
     const bool gate = p.gate_mode != 0u;
+    // every warp plans the item for itself (no barrier): lane 0 loads the ring record, lane 1
+    // a_log of the value head
+    it.meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
+    kda_u32 rlen = 0u, rpend = 0u, had = 0u;
+    float alog = 0.0f;
+    if (lane == 0) {
+        const volatile kda_u32* vm = it.meta;
+        rlen = vm[0];
+        rpend = vm[1];
+        had = vm[3];
+    }
+    if (lane == 1 && gate) alog = reinterpret_cast<const float*>(p.a_log)[hv];
     // the new token's inputs, split (the value: a k lane's one column, below)
     float kt[KR], qt[KR], gt[KR], bias[KR];
     split_load(reinterpret_cast<const IT*>(p.k) + ((size_t)bos * p.h + h) * K, lane, kt);
@@ -207,14 +265,17 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     const bool isq = lk >= 4;
     const float vraw = kda_load(reinterpret_cast<const IT*>(p.v)[((size_t)bos * p.hv + hv) * V + colm]);
     const float braw = kda_load(reinterpret_cast<const IT*>(p.beta)[(size_t)bos * p.hv + hv]);
-    tile_plan_finish(p, it, pl0, z_plan, z_aexp);
-    if (threadIdx.x == 64) z_cached = had;
-    __syncthreads();
-    const Plan pl = z_plan;
+    rlen = KDA_SHFL(rlen, 0);
+    rpend = KDA_SHFL(rpend, 0);
+    had = KDA_SHFL(had, 0);
+    const Plan pl = plan_from(p, slot, 1u, rlen, rpend, 0u, reinterpret_cast<kda_u32*>(p.err),
+                              threadIdx.x == 0 && hv == 0 && it.cb == 0);
     const int pend = (int)pl.pend;
-    if (min(z_cached, (kda_u32)pend) != (kda_u32)pend) return false;
+    if (min(had, (kda_u32)pend) != (kda_u32)pend) return false;
+    const float a_exp = gate ? expf(KDA_SHFL(alog, 1)) : 0.0f;
     const bool store = pl.store_after != KDA_NONE;
-    // a warp per pending entry: its raw key and gate rows and its delta vector
+    // a warp per pending entry: its raw key and gate rows and its delta vector (the warp
+    // activates the entry below: no barrier between)
     const LeanLayout Z((int)p.ring_len);
     const size_t entry = ring_entry_elems(p);
     const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
@@ -232,23 +293,19 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     kda_u32 w[TW];
     tile_load_lane(head, lk, col0l, w, s);
     // the new token's activations, in every warp (the FAST choices of the general item)
-    const float a_exp = z_aexp;
     const bool l2 = p.l2norm != 0u;
     split_l2(kt, l2);
     split_l2(qt, l2);
-    float dt[KR], qk = 0.0f;
+    float dt[KR];
 #pragma unroll
     for (int i = 0; i < KR; ++i) {
         qt[i] *= p.scale;
         dt[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
-        qk = fmaf(qt[i], kt[i], qk);
     }
-    qk = warp_sum(qk);
     const float bt = act_beta(braw, p);
+    // the warp's pending entries activated, split, into shared memory (once its copies landed)
     cp_async_wait<0>();
-    __syncthreads();
-    const kda_u32 old = tile_arrive(it.meta);
-    // a warp per pending entry: its activated key and decay, split
+    __syncwarp();
     float* ka = reinterpret_cast<float*>(dsm + Z.ka);
     float* da = reinterpret_cast<float*>(dsm + Z.da);
     for (int j = warp; j < pend; j += RT / 32) {
@@ -263,6 +320,7 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
         split_store(da + j * K, lane, g);
     }
     __syncthreads();
+    const kda_u32 old = tile_arrive(it.meta);
     const float* ua = reinterpret_cast<const float*>(dsm + Z.u);
     float* pk = reinterpret_cast<float*>(dsm + Z.pw) + warp * 2 * K;
     float* pq = pk + K;
@@ -273,23 +331,35 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     for (int i = 0; i < KR; ++i) rr[i] = dt[i];
     if constexpr (TILE_WORDS) tile_from_words(w, s);
     if (!store) {
-        // c_tj = k_t . R_tj k_j and e_tj = q_t . R_tj k_j, and at once the lane's correction
-        // sum_j (c_tj or e_tj) u_j of its column
-        for (int j = pend - 1; j >= 0; --j) {
-            float kj[KR], dj[KR];
-            split_from(ka + j * K, lane, kj);
-            split_from(da + j * K, lane, dj);
-            float c = 0.0f, e = 0.0f;
+        // c_tj = k_t . R_tj k_j and e_tj = q_t . R_tj k_j, four entries at a time (j going
+        // down): a lane's eight partial sums reduced transposed (pair_sums), then the lane's
+        // correction sum_j (c_tj or e_tj) u_j of its column
+        for (int j0 = pend - 1; j0 >= 0; j0 -= 4) {
+            float ps[8];
 #pragma unroll
-            for (int i = 0; i < KR; ++i) {
-                const float x = rr[i] * kj[i];
-                c = fmaf(kt[i], x, c);
-                e = fmaf(qt[i], x, e);
-                rr[i] *= dj[i];
+            for (int m = 0; m < 4; ++m) {
+                float c = 0.0f, e = 0.0f;
+                if (j0 - m >= 0) {
+                    float kj[KR], dj[KR];
+                    split_from(ka + (j0 - m) * K, lane, kj);
+                    split_from(da + (j0 - m) * K, lane, dj);
+#pragma unroll
+                    for (int i = 0; i < KR; ++i) {
+                        const float x = rr[i] * kj[i];
+                        c = fmaf(kt[i], x, c);
+                        e = fmaf(qt[i], x, e);
+                        rr[i] *= dj[i];
+                    }
+                }
+                ps[2 * m] = c;
+                ps[2 * m + 1] = e;
             }
-            c = warp_sum(c);
-            e = warp_sum(e);
-            corr = fmaf(isq ? e : c, ua[j * V + colm], corr);
+            const float sum = pair_sums(ps, lane);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float ce = KDA_SHFL(sum, 8 * m + (isq ? 4 : 0));
+                if (j0 - m >= 0) corr = fmaf(ce, ua[(j0 - m) * V + colm], corr);
+            }
         }
     } else if (pend > 0) {
         // the commit: diag(P) S + sum_j (R_{pend-1,j} k_j) u_j^T, rounded once; P first
@@ -304,14 +374,7 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
         }
         split_store(pk, lane, pr);
         __syncwarp();
-        {
-            float pv[TK];
-            rows_from_smem(pk, lk, pv);
-#pragma unroll
-            for (int r = 0; r < TK; ++r)
-#pragma unroll
-                for (int c = 0; c < TV; ++c) s[r][c] *= pv[r];
-        }
+        tile_scale_rows(s, pk, lk);
         for (int j = pend - 1; j >= 0; --j) {
             float kj[KR], dj[KR], ek[KR];
             split_from(ka + j * K, lane, kj);
@@ -324,18 +387,16 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
             __syncwarp();
             split_store(pk, lane, ek);
             __syncwarp();
-            float ev[TK];
-            rows_from_smem(pk, lk, ev);
-            const float4 u4 = *reinterpret_cast<const float4*>(ua + j * V + col0l);
-            const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
-#pragma unroll
-            for (int r = 0; r < TK; ++r)
-#pragma unroll
-                for (int c = 0; c < TV; ++c) s[r][c] = fmaf(ev[r], uv[c % 4], s[r][c]);
+            tile_add_outer(s, pk, ua + j * V + col0l, lk);
         }
         store_tile<false, true>(head, lk, col0l, s, 0u, elem0);
     }
-    // P_t k_t and P_t q_t in the tile's lane mapping, through the warp's rows
+    // q_t . k_t (here, where k_t and q_t are last needed); P_t k_t and P_t q_t in the tile's
+    // lane mapping, through the warp's rows
+    float qk = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) qk = fmaf(qt[i], kt[i], qk);
+    qk = warp_sum(qk);
     float x[KR];
 #pragma unroll
     for (int i = 0; i < KR; ++i) x[i] = rr[i] * kt[i];
@@ -541,22 +602,8 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
         }
         if (fold) {
             // the commit: diag(P) S + sum_j (R k_j) u_j^T, rounded once
-            float pv[TK];
-            rows_from_smem(pm, lk, pv);
-#pragma unroll
-            for (int r = 0; r < TK; ++r)
-#pragma unroll
-                for (int c = 0; c < TV; ++c) s[r][c] *= pv[r];
-            for (int j = 0; j < pend; ++j) {
-                float ev[TK];
-                rows_from_smem(ek + j * KS, lk, ev);
-                const float4 u4 = *reinterpret_cast<const float4*>(ua + j * RCW + col0l);
-                const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
-#pragma unroll
-                for (int r = 0; r < TK; ++r)
-#pragma unroll
-                    for (int c = 0; c < TV; ++c) s[r][c] = fmaf(ev[r], uv[c % 4], s[r][c]);
-            }
+            tile_scale_rows(s, pm, lk);
+            for (int j = 0; j < pend; ++j) tile_add_outer(s, ek + j * KS, ua + j * RCW + col0l, lk);
             if (col0l < cwv) store_tile<false, true>(head, lk, col0, s, 0u, elem0);
         }
         __syncthreads();
