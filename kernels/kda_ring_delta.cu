@@ -449,6 +449,297 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     return true;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Spec_verify on the short path, lean (ring_delta_verify, kernel kda_ring_delta_spec):
+// the lean decode path's scheme for any number of new tokens, K = V = 128, every pending entry's
+// delta vector stored. Before the plan a warp copies a new token's raw rows (k, g, q, v) and a
+// thread its beta; after it a warp per pending entry copies its raw rows and vector; each warp
+// activates the rows it copied (one barrier for all: the activations). Then every warp, for
+// itself, steps the new tokens in order over its columns: for token i the pair sums with the
+// entries and earlier new tokens of its frame (four at a time, pair_sums), P_t k_t and P_t q_t
+// through its rows, the two products with the tile, the vector of its columns (kept in shared
+// memory for the later tokens: the q lanes read the vectors their k lanes wrote) and the output.
+// A commit folds the pending entries into the tile first, as on the decode path.
+
+// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs): per ring entry
+// its raw k and g rows (RK each); per new token its raw k, g, q rows (RK each) and v row; by
+// combined token (pending entries, then new tokens) the delta vector (f32 [V]), the activated
+// key and decay (f32 [K] each); per new token its activated query (f32 [K]) and beta; then two
+// f32 rows [K] per warp.
+struct LeanVerifyLayout {
+    int raw, nraw, nrow, u, ka, da, qa, bt, pw;
+    __device__ __forceinline__ LeanVerifyLayout(int ring_len, int mq) {
+        const int mt = ring_len + mq;
+        raw = 0;
+        nrow = 3 * RK + round16(V * (int)sizeof(IT));
+        nraw = raw + ring_len * 2 * RK;
+        u = nraw + mq * nrow;
+        ka = u + mt * 4 * V;
+        da = ka + mt * 4 * K;
+        qa = da + mt * 4 * K;
+        bt = qa + mq * 4 * K;
+        pw = bt + round16(4 * mq); // then (RT / 32) x 2 x 4 K bytes: the end
+    }
+};
+
+// The warp that copies and activates new token i (the pending entries go from warp 0 up).
+__device__ __forceinline__ int verify_warp_of(int i) { return RT / 32 - 1 - i % (RT / 32); }
+
+// The lean path of one item (blockIdx.x); false, before anything the general item reads is
+// written, for an item it does not take (no new token, or pending entries without stored
+// vectors): the caller then runs the general item.
+__device__ __forceinline__ bool ring_delta_verify(const KdaParams& p) {
+    extern __shared__ __align__(16) unsigned char dsm[];
+    __shared__ kda_u32 y_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lk = lane / LV, lv = lane % LV;
+    TileItem it = tile_item_begin(p);
+    const int nn = (int)it.nnew;
+    if (nn < 1) return false;
+    const kda_u32 slot = it.slot, bos = it.bos;
+    const int hv = it.hv, h = it.h;
+    const bool gate = p.gate_mode != 0u;
+    // every warp plans the item for itself, as ring_delta_decode
+    it.meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
+    kda_u32 rlen = 0u, rpend = 0u, had = 0u, acc = 0u;
+    float alog = 0.0f;
+    if (lane == 0) {
+        const volatile kda_u32* vm = it.meta;
+        rlen = vm[0];
+        rpend = vm[1];
+        had = vm[3];
+        acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[it.n] : 0u;
+    }
+    if (lane == 1 && gate) alog = reinterpret_cast<const float*>(p.a_log)[hv];
+    // the new tokens' raw rows (they do not depend on the plan) and activated betas
+    const LeanVerifyLayout Z((int)p.ring_len, (int)p.ring_mq);
+    const int gran = (int)p.ring_gran;
+    for (int i = 0; i < nn; ++i) {
+        if (verify_warp_of(i) != warp) continue;
+        const size_t tok = bos + (size_t)i;
+        unsigned char* row = dsm + Z.nraw + i * Z.nrow;
+        copy_row(row, reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K, K * (int)sizeof(IT), gran, lane);
+        copy_row(row + RK, reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K, K * (int)sizeof(IT), gran,
+                 lane);
+        copy_row(row + 2 * RK, reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K, K * (int)sizeof(IT), gran,
+                 lane);
+        copy_row(row + 3 * RK, reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V, V * (int)sizeof(IT), gran,
+                 lane);
+    }
+    cp_async_commit();
+    float* sbt = reinterpret_cast<float*>(dsm + Z.bt);
+    if ((int)threadIdx.x < nn)
+        sbt[threadIdx.x] =
+            act_beta(kda_load(reinterpret_cast<const IT*>(p.beta)[(bos + threadIdx.x) * p.hv + hv]), p);
+    float bias[KR];
+    if (gate) {
+        split_from(reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, lane, bias);
+    } else {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) bias[i] = 0.0f;
+    }
+    rlen = KDA_SHFL(rlen, 0);
+    rpend = KDA_SHFL(rpend, 0);
+    had = KDA_SHFL(had, 0);
+    acc = KDA_SHFL(acc, 0);
+    const Plan pl = plan_from(p, slot, (kda_u32)nn, rlen, rpend, acc, reinterpret_cast<kda_u32*>(p.err),
+                              threadIdx.x == 0 && hv == 0 && it.cb == 0);
+    const int pend = (int)pl.pend;
+    if (min(had, (kda_u32)pend) != (kda_u32)pend) {
+        // the general item reuses the shared memory written above
+        cp_async_wait<0>();
+        __syncthreads();
+        return false;
+    }
+    const float a_exp = gate ? expf(KDA_SHFL(alog, 1)) : 0.0f;
+    const bool store = pl.store_after != KDA_NONE;
+    // a warp per pending entry: its raw key and gate rows and its delta vector
+    const size_t entry = ring_entry_elems(p);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    for (int j = warp; j < pend; j += RT / 32) {
+        const IT* e = ring + (size_t)j * entry;
+        unsigned char* raw = dsm + Z.raw + j * 2 * RK;
+        copy_row(raw, e + (size_t)h * K, K * (int)sizeof(IT), gran, lane);
+        copy_row(raw + RK, e + ring_off_g(p, hv), K * (int)sizeof(IT), gran, lane);
+        copy_row(dsm + Z.u + j * 4 * V, delta_row(p, slot, (kda_u32)j, hv, 0), 4 * V, 16, lane);
+    }
+    cp_async_commit();
+    const int mc = lk & 3, col0l = warp * WC + lv * TV, colm = col0l + mc;
+    const bool isq = lk >= 4;
+    ST* head = state_head(p, slot, (size_t)hv);
+    float s[TK][TV];
+    kda_u32 w[TW];
+    tile_load_lane(head, lk, col0l, w, s);
+    // the rows this warp copied, activated (the FAST choices of the general item)
+    cp_async_wait<0>();
+    __syncwarp();
+    const bool l2 = p.l2norm != 0u;
+    float* ka = reinterpret_cast<float*>(dsm + Z.ka);
+    float* da = reinterpret_cast<float*>(dsm + Z.da);
+    float* qa = reinterpret_cast<float*>(dsm + Z.qa);
+    for (int j = warp; j < pend; j += RT / 32) {
+        const unsigned char* raw = dsm + Z.raw + j * 2 * RK;
+        float x[KR], g[KR];
+        split_load(reinterpret_cast<const IT*>(raw), lane, x);
+        split_load(reinterpret_cast<const IT*>(raw + RK), lane, g);
+        split_l2(x, l2);
+#pragma unroll
+        for (int i = 0; i < KR; ++i) g[i] = decay_at<sizeof(ST) == 2>(g[i], &bias[i], p, a_exp);
+        split_store(ka + j * K, lane, x);
+        split_store(da + j * K, lane, g);
+    }
+    for (int i = 0; i < nn; ++i) {
+        if (verify_warp_of(i) != warp) continue;
+        const unsigned char* row = dsm + Z.nraw + i * Z.nrow;
+        float x[KR], g[KR], q[KR];
+        split_load(reinterpret_cast<const IT*>(row), lane, x);
+        split_load(reinterpret_cast<const IT*>(row + RK), lane, g);
+        split_load(reinterpret_cast<const IT*>(row + 2 * RK), lane, q);
+        split_l2(x, l2);
+        split_l2(q, l2);
+#pragma unroll
+        for (int r = 0; r < KR; ++r) {
+            g[r] = decay_at<sizeof(ST) == 2>(g[r], &bias[r], p, a_exp);
+            q[r] *= p.scale;
+        }
+        split_store(ka + (pend + i) * K, lane, x);
+        split_store(da + (pend + i) * K, lane, g);
+        split_store(qa + i * K, lane, q);
+    }
+    __syncthreads();
+    const kda_u32 old = tile_arrive(it.meta);
+    float* ua = reinterpret_cast<float*>(dsm + Z.u);
+    float* pk = reinterpret_cast<float*>(dsm + Z.pw) + warp * 2 * K;
+    float* pq = pk + K;
+    const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
+    if constexpr (TILE_WORDS) tile_from_words(w, s);
+    if (store && pend > 0) {
+        // the commit, as ring_delta_decode's: diag(P) S + sum_j (R_{pend-1,j} k_j) u_j^T
+        float pr[KR], rk[KR];
+#pragma unroll
+        for (int i = 0; i < KR; ++i) pr[i] = rk[i] = 1.0f;
+        for (int j = 0; j < pend; ++j) {
+            float dj[KR];
+            split_from(da + j * K, lane, dj);
+#pragma unroll
+            for (int i = 0; i < KR; ++i) pr[i] *= dj[i];
+        }
+        split_store(pk, lane, pr);
+        __syncwarp();
+        tile_scale_rows(s, pk, lk);
+        for (int j = pend - 1; j >= 0; --j) {
+            float kj[KR], dj[KR], ek[KR];
+            split_from(ka + j * K, lane, kj);
+            split_from(da + j * K, lane, dj);
+#pragma unroll
+            for (int i = 0; i < KR; ++i) {
+                ek[i] = rk[i] * kj[i];
+                rk[i] *= dj[i];
+            }
+            __syncwarp();
+            split_store(pk, lane, ek);
+            __syncwarp();
+            tile_add_outer(s, pk, ua + j * V + col0l, lk);
+        }
+        store_tile<false, true>(head, lk, col0l, s, 0u, elem0);
+    }
+    // the new tokens in order over the frame fbase .. (the pending entries unless committed)
+    __syncwarp();
+    const int fbase = store ? pend : 0;
+    const IT* vrow = reinterpret_cast<const IT*>(dsm + Z.nraw + 3 * RK);
+#pragma unroll 1
+    for (int i = 0; i < nn; ++i) {
+        const int ct = pend + i;
+        float kt[KR], qt[KR], rr[KR];
+        split_from(ka + ct * K, lane, kt);
+        split_from(qa + i * K, lane, qt);
+        split_from(da + ct * K, lane, rr);
+        float corr = 0.0f;
+        for (int j0 = ct - 1; j0 >= fbase; j0 -= 4) {
+            float ps[8];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                float c = 0.0f, e = 0.0f;
+                if (j0 - m >= fbase) {
+                    float kj[KR], dj[KR];
+                    split_from(ka + (j0 - m) * K, lane, kj);
+                    split_from(da + (j0 - m) * K, lane, dj);
+#pragma unroll
+                    for (int r = 0; r < KR; ++r) {
+                        const float x = rr[r] * kj[r];
+                        c = fmaf(kt[r], x, c);
+                        e = fmaf(qt[r], x, e);
+                        rr[r] *= dj[r];
+                    }
+                }
+                ps[2 * m] = c;
+                ps[2 * m + 1] = e;
+            }
+            const float sum = pair_sums(ps, lane);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float ce = KDA_SHFL(sum, 8 * m + (isq ? 4 : 0));
+                if (j0 - m >= fbase) corr = fmaf(ce, ua[(j0 - m) * V + colm], corr);
+            }
+        }
+        float qk = 0.0f;
+#pragma unroll
+        for (int r = 0; r < KR; ++r) qk = fmaf(qt[r], kt[r], qk);
+        qk = warp_sum(qk);
+        float x[KR];
+#pragma unroll
+        for (int r = 0; r < KR; ++r) x[r] = rr[r] * kt[r];
+        split_store(pk, lane, x);
+#pragma unroll
+        for (int r = 0; r < KR; ++r) x[r] = rr[r] * qt[r];
+        split_store(pq, lane, x);
+        __syncwarp();
+        float ak[TV], aq[TV];
+#pragma unroll
+        for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
+        {
+            float kv[TK], qv[TK];
+            rows_from_smem(pk, lk, kv);
+            rows_from_smem(pq, lk, qv);
+#pragma unroll
+            for (int r = 0; r < TK; ++r)
+#pragma unroll
+                for (int c = 0; c < TV; ++c) {
+                    ak[c] = fmaf(kv[r], s[r][c], ak[c]);
+                    aq[c] = fmaf(qv[r], s[r][c], aq[c]);
+                }
+        }
+        const float a = scatter_sums(ak, aq, lk) + corr;
+        const float u = sbt[i] * (kda_load(vrow[(size_t)i * (Z.nrow / sizeof(IT)) + colm]) - a);
+        const float uq = KDA_SHFL_XOR(u, 4 * LV);
+        if (!isq) {
+            ua[ct * V + colm] = u;
+            if (pl.append_at != KDA_NONE) delta_row(p, slot, pl.append_at + (kda_u32)i, hv, colm)[0] = u;
+        } else {
+            reinterpret_cast<IT*>(p.out)[((bos + (size_t)i) * p.hv + hv) * V + colm] =
+                KdaElem<IT>::from_f32(fmaf(qk, uq, a));
+        }
+        // the q lanes read the vectors their k lanes wrote; the warp's rows are written again
+        __syncwarp();
+    }
+    // the new entries' raw inputs (a commit's: the slot's last CTA, in tile_settle), by the
+    // warp that copied the token's rows
+    if (!store && pl.append_at != KDA_NONE) {
+        for (int i = 0; i < nn; ++i) {
+            if (verify_warp_of(i) != warp) continue;
+            IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + pl.append_at + (kda_u32)i) * entry;
+            const unsigned char* row = dsm + Z.nraw + i * Z.nrow;
+            if (hv == h * it.group) store_row(e + (size_t)h * K, row, K * (int)sizeof(IT), gran, lane);
+            store_row(e + ring_off_g(p, hv), row + RK, K * (int)sizeof(IT), gran, lane);
+            store_row(e + ring_off_v(p, hv), row + 3 * RK, V * (int)sizeof(IT), gran, lane);
+            if (lane == 0)
+                e[ring_off_beta(p, hv)] = reinterpret_cast<const IT*>(p.beta)[(bos + (size_t)i) * p.hv + hv];
+        }
+    }
+    tile_settle(p, pl, old, it.per_seq, store, it.meta, slot, bos, (kda_u32)nn, y_last, pl.new_len);
+    return true;
+}
+
 // The general item (any number of new tokens, the long path).
 __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
     extern __shared__ __align__(16) unsigned char dsm[];
@@ -709,6 +1000,16 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     using namespace kda;
     if constexpr (LEAN_FITS) {
         if (p.op == KDA_OP_DECODE && ring_delta_decode(p)) return;
+    }
+    ring_delta_item(p);
+}
+
+// kda_ring_delta for spec_verify: its lean path is ring_delta_verify. A kernel of its own: in
+// one kernel with ring_delta_decode the two paths' registers spilled.
+extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta_spec(const KdaParams p) {
+    using namespace kda;
+    if constexpr (LEAN_FITS) {
+        if (ring_delta_verify(p)) return;
     }
     ring_delta_item(p);
 }
