@@ -591,21 +591,11 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
             let floats = mt * cw + mq.max(1) * mt * ks + 2 * mq * ks + ks + 2 * mq * mt;
             let general =
                 rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt) + 4 * floats + r16(4 * mq);
-            // its lean paths (K = V = 128): decode's `LeanLayout` (per ring entry the raw k
-            // and g rows, the delta vector, the activated key and decay; two f32 rows per
-            // warp) and spec_verify's `LeanVerifyLayout` (also per new token its raw k, g, q
-            // and v rows, per combined token the vector, key and decay, per new token the
-            // query and beta)
+            // its lean decode path (K = V = 128, `LeanLayout`): per ring entry the raw k and g
+            // rows, the delta vector, the activated key and decay; two f32 rows per warp
             let lean = if s.k == 128 && s.v == 128 {
-                let warp_rows = (RING_THREADS / 32) * 2 * 4 * s.k;
-                let decode = s.ring_len * (2 * r16(s.k * isz) + 4 * s.v + 8 * s.k) + warp_rows;
-                let verify = s.ring_len * 2 * r16(s.k * isz)
-                    + mq * (3 * r16(s.k * isz) + r16(s.v * isz))
-                    + mt * (4 * s.v + 8 * s.k)
-                    + mq * 4 * s.k
-                    + r16(4 * mq)
-                    + warp_rows;
-                decode.max(verify)
+                s.ring_len * (2 * r16(s.k * isz) + 4 * s.v + 8 * s.k)
+                    + (RING_THREADS / 32) * 2 * 4 * s.k
             } else {
                 0
             };
@@ -1201,8 +1191,7 @@ impl CudaBackend {
                 (f, name, pl.smem, Some(grid))
             }
             (None, Some(rp)) if rp.kernel != RingKernel::Pipelined => {
-                let spec = call.op == Op::SpecVerify;
-                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel, spec)?;
+                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
                 Self::opt_in_smem(&f, name, rp.smem)?;
                 (f, name, rp.smem, None)
             }
@@ -2110,38 +2099,6 @@ mod tests {
                     "ring {ring_len}, {input_size}-byte inputs: {} < {end}",
                     p.smem
                 );
-            }
-        }
-    }
-
-    #[test]
-    fn delta_plan_holds_the_lean_verify_paths_shared_memory() {
-        // `LeanVerifyLayout` of kernels/kda_ring_delta.cu at K = V = 128: per ring entry the
-        // raw k and g rows; per new token its raw k, g, q and v rows; per combined token the
-        // delta vector, activated key and decay; per new token the query; the betas (16-byte
-        // rounded); two f32 rows per warp
-        for input_size in [2, 4] {
-            for max_new in 1..=8 {
-                for ring_len in 1..=RING_MAX_TOKENS - max_new {
-                    let mut s = ring_shape(2, ring_len, max_new);
-                    (s.deltas, s.input_size) = (true, input_size);
-                    let row = (128 * input_size).next_multiple_of(16);
-                    let (mt, mq) = (ring_len + max_new, max_new);
-                    let nraw = ring_len * 2 * row;
-                    let u = nraw + mq * 4 * row;
-                    let ka = u + mt * 4 * 128;
-                    let da = ka + mt * 4 * 128;
-                    let qa = da + mt * 4 * 128;
-                    let bt = qa + mq * 4 * 128;
-                    let pw = bt + (4 * mq).next_multiple_of(16);
-                    let end = pw + 8 * 2 * 4 * 128;
-                    let p = ring_plan(&s, RingKernel::Delta).expect("verify fits");
-                    assert!(
-                        p.smem >= end,
-                        "ring {ring_len}, {max_new} new, {input_size}-byte inputs: {} < {end}",
-                        p.smem
-                    );
-                }
             }
         }
     }

@@ -64,7 +64,6 @@ enum Key {
     RingTile(StepKey),
     RingMma(StepKey),
     RingDelta(StepKey),
-    RingDeltaSpec(StepKey),
     Fill,
     Copy,
 }
@@ -86,7 +85,6 @@ impl Key {
             Key::RingTile(_) => "kda_ring_tile",
             Key::RingMma(_) => "kda_ring_mma",
             Key::RingDelta(_) => "kda_ring_delta",
-            Key::RingDeltaSpec(_) => "kda_ring_delta_spec",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -107,14 +105,13 @@ impl Key {
             | Key::Ring(k)
             | Key::RingTile(k)
             | Key::RingMma(k)
-            | Key::RingDelta(k)
-            | Key::RingDeltaSpec(k) => ModuleKey::Step(k),
+            | Key::RingDelta(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (fourteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (thirteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -123,7 +120,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 14] {
+fn step_module(k: StepKey) -> [Key; 13] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -138,7 +135,6 @@ fn step_module(k: StepKey) -> [Key; 14] {
         Key::RingTile(k),
         Key::RingMma(k),
         Key::RingDelta(k),
-        Key::RingDeltaSpec(k),
     ]
 }
 
@@ -390,18 +386,15 @@ pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 }
 
 /// A one-item-per-CTA ring kernel specialised on `key` (same module as `kda_step`), compiled on
-/// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], for [`RingKernel::Delta`]
-/// `kda_ring_delta_spec` when `spec` (a spec_verify call) else `kda_ring_delta`, else
-/// `kda_ring_tile`.
+/// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], `kda_ring_delta` for
+/// [`RingKernel::Delta`], else `kda_ring_tile`.
 pub(crate) fn ring_tile_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
     kernel: RingKernel,
-    spec: bool,
 ) -> Result<(CudaFunction, &'static str)> {
     let k = match kernel {
         RingKernel::Mma => Key::RingMma(key),
-        RingKernel::Delta if spec => Key::RingDeltaSpec(key),
         RingKernel::Delta => Key::RingDelta(key),
         _ => Key::RingTile(key),
     };
@@ -480,8 +473,7 @@ mod tests {
                 "kda_ring",
                 "kda_ring_tile",
                 "kda_ring_mma",
-                "kda_ring_delta",
-                "kda_ring_delta_spec"
+                "kda_ring_delta"
             ]
         );
     }
