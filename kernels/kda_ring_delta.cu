@@ -90,6 +90,23 @@ __device__ __forceinline__ void tile_add_outer(float (&s)[TK][TV], const float* 
         for (int c = 0; c < TV; ++c) s[r][c] = fmaf(ev[r], uv[c % 4], s[r][c]);
 }
 
+// Adds to ak, aq the lane's partial products of two f32 K rows in shared memory (P_t k_t,
+// P_t q_t) with its tile: k S and q S over its rows, for its TV columns (summed over the
+// lanes later).
+__device__ __forceinline__ void tile_products(const float (&s)[TK][TV], const float* krow, const float* qrow,
+                                              int lk, float (&ak)[TV], float (&aq)[TV]) {
+    float kv[TK], qv[TK];
+    rows_from_smem(krow, lk, kv);
+    rows_from_smem(qrow, lk, qv);
+#pragma unroll
+    for (int r = 0; r < TK; ++r)
+#pragma unroll
+        for (int c = 0; c < TV; ++c) {
+            ak[c] = fmaf(kv[r], s[r][c], ak[c]);
+            aq[c] = fmaf(qv[r], s[r][c], aq[c]);
+        }
+}
+
 // Eight lanes per column group and four columns per lane (K = 128): the new tokens' sums are
 // scattered over the group's lanes instead of reduced into every lane (scatter_sums).
 constexpr bool SCATTER = LK == 8 && TV == 4;
@@ -409,18 +426,7 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     float ak[TV], aq[TV];
 #pragma unroll
     for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
-    {
-        float kv[TK], qv[TK];
-        rows_from_smem(pk, lk, kv);
-        rows_from_smem(pq, lk, qv);
-#pragma unroll
-        for (int r = 0; r < TK; ++r)
-#pragma unroll
-            for (int c = 0; c < TV; ++c) {
-                ak[c] = fmaf(kv[r], s[r][c], ak[c]);
-                aq[c] = fmaf(qv[r], s[r][c], aq[c]);
-            }
-    }
+    tile_products(s, pk, pq, lk, ak, aq);
     // lane lk of a column group: k S of column mc (lk < 4) or q S of it, then the new token's
     // delta vector (the k lanes) and output (the q lanes)
     const float a = scatter_sums(ak, aq, lk) + corr;
@@ -630,18 +636,7 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
             float ak[TV], aq[TV];
 #pragma unroll
             for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
-            {
-                float kv[TK], qv[TK];
-                rows_from_smem(kp + i * KS, lk, kv);
-                rows_from_smem(qp + i * KS, lk, qv);
-#pragma unroll
-                for (int r = 0; r < TK; ++r)
-#pragma unroll
-                    for (int c = 0; c < TV; ++c) {
-                        ak[c] = fmaf(kv[r], s[r][c], ak[c]);
-                        aq[c] = fmaf(qv[r], s[r][c], aq[c]);
-                    }
-            }
+            tile_products(s, kp + i * KS, qp + i * KS, lk, ak, aq);
             const float bt = sbeta[t], qkt = qk[i];
             if constexpr (SCATTER) {
                 // lane lk of a column group ends with one sum: k S of column lk (lk < 4) or
