@@ -455,15 +455,16 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     return true;
 }
 
-// The general item (any number of new tokens, the long path).
-__device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
+// The general item (any number of new tokens, the long path), item blockIdx.x but in
+// kda_ring_delta_pair.
+__device__ __forceinline__ void ring_delta_item(const KdaParams& p, kda_u32 item) {
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Plan s_plan;
     __shared__ float s_aexp;
     __shared__ kda_u32 s_last, s_cached;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
-    TileItem it = tile_item_begin(p);
+    TileItem it = tile_item_at(p, item);
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const DeltaLayout D(L, (int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
@@ -698,6 +699,378 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
     tile_settle(p, pl, old, per_seq, store, meta, slot, bos, nnew, s_last, cached);
 }
 
+// ---------------------------------------------------------------------------------------------
+// kda_ring_delta_pair: ring decode of 2-byte K-first pools (K = V = 128) with two lean items per
+// CTA. A lean item's per-warp work (its plan, the new token's activations, the pair sums, the
+// P_t k_t and P_t q_t rows) is the same in every warp, and most of an item's instructions
+// (docs/performance.md, thirty-fourth session); here each half of the CTA (four warps) runs
+// one item, each warp over two column blocks, so an item runs half the per-warp work, and an
+// SM holds four items instead of two. The tile (32 KB per item) is staged in shared memory, not
+// registers: each lane copies its own rows of its two blocks (8 bytes each, cp.async) and reads
+// back only those (no barrier guards them). Each half synchronises on a named barrier of its
+// own. An item the lean path does not take (see ring_delta_decode) runs, after both halves
+// are done, as the general item on the whole CTA.
+constexpr bool PAIR_FITS = LEAN_FITS && TILE_WORDS && !VFIRST;
+constexpr int HT = RT / 2;           // threads of an item
+constexpr int HW = HT / 32;          // warps of an item
+constexpr int BPW = (RT / 32) / HW;  // column blocks per warp
+
+// Byte offsets in a half's part of dynamic shared memory (mirrored by `ring_plan` in
+// backend.rs): LeanLayout's arrays for HW warps, then the staged tile (row r of column block
+// b of thread t at st + ((b TK + r) HT + t) 8: a warp's lanes read 256 contiguous bytes).
+struct PairLayout {
+    int raw, u, ka, da, pw, st, bytes;
+    __device__ __forceinline__ explicit PairLayout(int ring_len) {
+        raw = 0;
+        u = raw + ring_len * 2 * RK;
+        ka = u + ring_len * 4 * V;
+        da = ka + ring_len * 4 * K;
+        pw = da + ring_len * 4 * K;
+        st = pw + HW * 2 * 4 * K;
+        bytes = st + BPW * TK * HT * 8;
+    }
+};
+
+// The half's named barrier (1 + half; __syncthreads is barrier 0).
+__device__ __forceinline__ void half_sync(int half) {
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+    __syncthreads(); // (no named barriers; the host launches the pair kernel on CUDA only)
+#else
+    if (half == 0) {
+        asm volatile("bar.sync 1, %0;\n" ::"n"(HT) : "memory");
+    } else {
+        asm volatile("bar.sync 2, %0;\n" ::"n"(HT) : "memory");
+    }
+#endif
+}
+
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__)
+// Rows I.. (block I / TK, row I % TK) of pair_stage: one base address each side, the rows as
+// immediate offsets (K-first: a lane's rows are consecutive).
+template <int I> __device__ __forceinline__ void pair_stage_rows(kda_u32 dst, const ST* src) {
+    if constexpr (I < BPW * TK) {
+        constexpr int b = I / TK, r = I % TK;
+        asm volatile("cp.async.ca.shared.global [%0+%2], [%1+%3], 8;\n" ::"r"(dst), "l"(src), "n"(I * HT * 8),
+                     "n"((r * V + b * HW * WC) * (int)sizeof(ST))
+                     : "memory");
+        pair_stage_rows<I + 1>(dst, src);
+    }
+}
+#endif
+// Copies the lane's rows of its BPW column blocks (the first at col0) into the staged tile.
+__device__ __forceinline__ void pair_stage(unsigned char* st, const ST* head, int lk, int col0, int tid) {
+    const ST* src = head + (size_t)row_of(lk, 0) * V + col0;
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+    for (int i = 0; i < BPW * TK; ++i)
+        cp_async8(st + ((size_t)i * HT + tid) * 8, src + (size_t)(i % TK) * V + (i / TK) * HW * WC);
+#else
+    pair_stage_rows<0>(smem_addr(st) + tid * 8, src);
+#endif
+}
+
+// Row r of column block b of the lane's staged tile, f32 (templates from here: only 2-byte
+// modules compile the conversions).
+template <typename T = ST>
+__device__ __forceinline__ void staged_row(const unsigned char* st, int b, int r, int tid, float (&x)[TV]) {
+    const uint2 w = *reinterpret_cast<const uint2*>(st + ((size_t)(b * TK + r) * HT + tid) * 8);
+    x[0] = kda_word_half<T>(w.x, false);
+    x[1] = kda_word_half<T>(w.x, true);
+    x[2] = kda_word_half<T>(w.y, false);
+    x[3] = kda_word_half<T>(w.y, true);
+}
+
+// tile_products over column block b of the staged tile, four rows at a time (the same sums in
+// the same order).
+template <typename T = ST>
+__device__ __forceinline__ void staged_products(const unsigned char* st, int b, int tid, const float* krow,
+                                                const float* qrow, int lk, float (&ak)[TV], float (&aq)[TV]) {
+#pragma unroll
+    for (int r0 = 0; r0 < TK; r0 += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(krow + row_of(lk, r0));
+        const float4 q4 = *reinterpret_cast<const float4*>(qrow + row_of(lk, r0));
+        const float kv[4] = {k4.x, k4.y, k4.z, k4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            float x[TV];
+            staged_row<T>(st, b, r0 + m, tid, x);
+#pragma unroll
+            for (int c = 0; c < TV; ++c) {
+                ak[c] = fmaf(kv[m], x[c], ak[c]);
+                aq[c] = fmaf(qv[m], x[c], aq[c]);
+            }
+        }
+    }
+}
+
+// A commit on column block b (columns col0..) of the staged tile, four rows at a time:
+// diag(P) S + sum_j (R_{pend-1,j} k_j) u_j^T from the activated keys ka and decays da (f32 [K]
+// rows) and the vectors ua, stored rounded to nearest, and the products of the committed
+// (unrounded) rows, as ring_delta_decode's commit (the same operations in the same order).
+template <typename T = ST>
+__device__ __forceinline__ void staged_commit(const unsigned char* st, int b, int tid, ST* head, int lk, int col0,
+                                              int pend, const float* ka, const float* da, const float* ua,
+                                              const float* krow, const float* qrow, float (&ak)[TV],
+                                              float (&aq)[TV]) {
+#pragma unroll 1
+    for (int r0 = 0; r0 < TK; r0 += 4) {
+        const int row = row_of(lk, r0);
+        float s4[4][TV], pr[4] = {1.0f, 1.0f, 1.0f, 1.0f}, rk[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) staged_row<T>(st, b, r0 + m, tid, s4[m]);
+        for (int j = 0; j < pend; ++j) {
+            const float4 d = *reinterpret_cast<const float4*>(da + j * K + row);
+            pr[0] *= d.x;
+            pr[1] *= d.y;
+            pr[2] *= d.z;
+            pr[3] *= d.w;
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+#pragma unroll
+            for (int c = 0; c < TV; ++c) s4[m][c] *= pr[m];
+        for (int j = pend - 1; j >= 0; --j) {
+            const float4 k = *reinterpret_cast<const float4*>(ka + j * K + row);
+            const float4 d = *reinterpret_cast<const float4*>(da + j * K + row);
+            const float4 u4 = *reinterpret_cast<const float4*>(ua + j * V + col0);
+            const float kv[4] = {k.x, k.y, k.z, k.w}, dv[4] = {d.x, d.y, d.z, d.w};
+            const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float e = rk[m] * kv[m];
+                rk[m] *= dv[m];
+#pragma unroll
+                for (int c = 0; c < TV; ++c) s4[m][c] = fmaf(e, uv[c], s4[m][c]);
+            }
+        }
+        const float4 k4 = *reinterpret_cast<const float4*>(krow + row);
+        const float4 q4 = *reinterpret_cast<const float4*>(qrow + row);
+        const float kv[4] = {k4.x, k4.y, k4.z, k4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const uint2 w = make_uint2(kda_pack2_rn<T>(s4[m][0], s4[m][1]), kda_pack2_rn<T>(s4[m][2], s4[m][3]));
+            KDA_STORE_STREAM(reinterpret_cast<uint2*>(head + (size_t)(row + m) * V + col0), w);
+#pragma unroll
+            for (int c = 0; c < TV; ++c) {
+                ak[c] = fmaf(kv[m], s4[m][c], ak[c]);
+                aq[c] = fmaf(qv[m], s4[m][c], aq[c]);
+            }
+        }
+    }
+}
+
+// The lean path of item `item` on half `half` of the CTA (its shared memory at zb); false,
+// before any write, for an item it does not take. ring_delta_decode's steps, over BPW column
+// blocks per warp.
+template <typename T = ST>
+__device__ __forceinline__ bool pair_decode(const KdaParams& p, unsigned char* zb, kda_u32 item, int half,
+                                            kda_u32& z_last) {
+    const int tid = (int)threadIdx.x - half * HT;
+    const int warp = tid >> 5, lane = tid & 31;
+    const int lk = lane / LV, lv = lane % LV;
+    TileItem it = tile_item_at<true, 2 * 2>(p, item);
+    if (it.nnew != 1u) return false;
+    const kda_u32 slot = it.slot, bos = it.bos;
+    const int hv = it.hv, h = it.h;
+    const bool gate = p.gate_mode != 0u;
+    it.meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
+    kda_u32 rlen = 0u, rpend = 0u, had = 0u;
+    float alog = 0.0f;
+    if (lane == 0) {
+        const volatile kda_u32* vm = it.meta;
+        rlen = vm[0];
+        rpend = vm[1];
+        had = vm[3];
+    }
+    if (lane == 1 && gate) alog = reinterpret_cast<const float*>(p.a_log)[hv];
+    float kt[KR], qt[KR], gt[KR], bias[KR];
+    split_load(reinterpret_cast<const IT*>(p.k) + ((size_t)bos * p.h + h) * K, lane, kt);
+    split_load(reinterpret_cast<const IT*>(p.q) + ((size_t)bos * p.h + h) * K, lane, qt);
+    split_load(reinterpret_cast<const IT*>(p.g) + ((size_t)bos * p.hv + hv) * K, lane, gt);
+    if (gate) {
+        split_from(reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, lane, bias);
+    } else {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) bias[i] = 0.0f;
+    }
+    const int mc = lk & 3, col0l = warp * WC + lv * TV;
+    const bool isq = lk >= 4;
+    float vraw[BPW];
+#pragma unroll
+    for (int b = 0; b < BPW; ++b)
+        vraw[b] = kda_load(reinterpret_cast<const IT*>(p.v)[((size_t)bos * p.hv + hv) * V + col0l + b * HW * WC + mc]);
+    const float braw = kda_load(reinterpret_cast<const IT*>(p.beta)[(size_t)bos * p.hv + hv]);
+    rlen = KDA_SHFL(rlen, 0);
+    rpend = KDA_SHFL(rpend, 0);
+    had = KDA_SHFL(had, 0);
+    const Plan pl = plan_from(p, slot, 1u, rlen, rpend, 0u, reinterpret_cast<kda_u32*>(p.err),
+                              tid == 0 && hv == 0 && it.cb == 0);
+    const int pend = (int)pl.pend;
+    if (min(had, (kda_u32)pend) != (kda_u32)pend) return false;
+    const float a_exp = gate ? expf(KDA_SHFL(alog, 1)) : 0.0f;
+    const bool store = pl.store_after != KDA_NONE;
+    const PairLayout Z((int)p.ring_len);
+    const size_t entry = ring_entry_elems(p);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    const int gran = (int)p.ring_gran;
+    for (int j = warp; j < pend; j += HW) {
+        const IT* e = ring + (size_t)j * entry;
+        unsigned char* raw = zb + Z.raw + j * 2 * RK;
+        copy_row(raw, e + (size_t)h * K, K * (int)sizeof(IT), gran, lane);
+        copy_row(raw + RK, e + ring_off_g(p, hv), K * (int)sizeof(IT), gran, lane);
+        copy_row(zb + Z.u + j * 4 * V, delta_row(p, slot, (kda_u32)j, hv, 0), 4 * V, 16, lane);
+    }
+    cp_async_commit();
+    ST* head = state_head(p, slot, (size_t)hv);
+    unsigned char* st = zb + Z.st;
+    pair_stage(st, head, lk, col0l, tid);
+    cp_async_commit();
+    const bool l2 = p.l2norm != 0u;
+    split_l2(kt, l2);
+    split_l2(qt, l2);
+    float dt[KR];
+#pragma unroll
+    for (int i = 0; i < KR; ++i) {
+        qt[i] *= p.scale;
+        dt[i] = decay_at<true>(gt[i], &bias[i], p, a_exp);
+    }
+    const float bt = act_beta(braw, p);
+    cp_async_wait<1>();
+    __syncwarp();
+    float* ka = reinterpret_cast<float*>(zb + Z.ka);
+    float* da = reinterpret_cast<float*>(zb + Z.da);
+    for (int j = warp; j < pend; j += HW) {
+        const unsigned char* raw = zb + Z.raw + j * 2 * RK;
+        float x[KR], g[KR];
+        split_load(reinterpret_cast<const IT*>(raw), lane, x);
+        split_load(reinterpret_cast<const IT*>(raw + RK), lane, g);
+        split_l2(x, l2);
+#pragma unroll
+        for (int i = 0; i < KR; ++i) g[i] = decay_at<true>(g[i], &bias[i], p, a_exp);
+        split_store(ka + j * K, lane, x);
+        split_store(da + j * K, lane, g);
+    }
+    half_sync(half);
+    kda_u32 old = 0u;
+    if (tid == 0) old = atomicAdd(it.meta + 2, 1u);
+    const float* ua = reinterpret_cast<const float*>(zb + Z.u);
+    float* pk = reinterpret_cast<float*>(zb + Z.pw) + warp * 2 * K;
+    float* pq = pk + K;
+    float rr[KR], corr[BPW];
+#pragma unroll
+    for (int i = 0; i < KR; ++i) rr[i] = dt[i];
+#pragma unroll
+    for (int b = 0; b < BPW; ++b) corr[b] = 0.0f;
+    if (!store) {
+        for (int j0 = pend - 1; j0 >= 0; j0 -= 4) {
+            float ps[8];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                float c = 0.0f, e = 0.0f;
+                if (j0 - m >= 0) {
+                    float kj[KR], dj[KR];
+                    split_from(ka + (j0 - m) * K, lane, kj);
+                    split_from(da + (j0 - m) * K, lane, dj);
+#pragma unroll
+                    for (int i = 0; i < KR; ++i) {
+                        const float x = rr[i] * kj[i];
+                        c = fmaf(kt[i], x, c);
+                        e = fmaf(qt[i], x, e);
+                        rr[i] *= dj[i];
+                    }
+                }
+                ps[2 * m] = c;
+                ps[2 * m + 1] = e;
+            }
+            const float sum = pair_sums(ps, lane);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float ce = KDA_SHFL(sum, 8 * m + (isq ? 4 : 0));
+                if (j0 - m >= 0) {
+#pragma unroll
+                    for (int b = 0; b < BPW; ++b)
+                        corr[b] = fmaf(ce, ua[(j0 - m) * V + col0l + b * HW * WC + mc], corr[b]);
+                }
+            }
+        }
+    }
+    float qk = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) qk = fmaf(qt[i], kt[i], qk);
+    qk = warp_sum(qk);
+    float x[KR];
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = rr[i] * kt[i];
+    split_store(pk, lane, x);
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = rr[i] * qt[i];
+    split_store(pq, lane, x);
+    __syncwarp();
+    // the lane's own staged rows (no barrier)
+    cp_async_wait<0>();
+#pragma unroll
+    for (int b = 0; b < BPW; ++b) {
+        const int cb = col0l + b * HW * WC, colm = cb + mc;
+        float ak[TV], aq[TV];
+#pragma unroll
+        for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
+        if (store && pend > 0) {
+            staged_commit<T>(st, b, tid, head, lk, cb, pend, ka, da, ua, pk, pq, ak, aq);
+        } else {
+            staged_products<T>(st, b, tid, pk, pq, lk, ak, aq);
+        }
+        const float a = scatter_sums(ak, aq, lk) + corr[b];
+        const float u = bt * (vraw[b] - a);
+        const float uq = KDA_SHFL_XOR(u, 4 * LV);
+        if (!isq) {
+            if (pl.append_at != KDA_NONE) delta_row(p, slot, pl.append_at, hv, colm)[0] = u;
+        } else {
+            reinterpret_cast<IT*>(p.out)[((size_t)bos * p.hv + hv) * V + colm] = KdaElem<IT>::from_f32(fmaf(qk, uq, a));
+        }
+    }
+    if (!store && pl.append_at != KDA_NONE) {
+        IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + pl.append_at) * entry;
+        if (!isq) {
+#pragma unroll
+            for (int b = 0; b < BPW; ++b)
+                e[ring_off_v(p, hv) + col0l + b * HW * WC + mc] = KdaElem<IT>::from_f32(vraw[b]);
+        }
+        if (warp == 0 && hv == h * it.group) {
+            float r[KR];
+            split_load(reinterpret_cast<const IT*>(p.k) + ((size_t)bos * p.h + h) * K, lane, r);
+            split_store_raw(e + (size_t)h * K + KR * lane, r);
+        } else if (warp == 1) {
+            split_store_raw(e + ring_off_g(p, hv) + KR * lane, gt);
+        } else if (warp == 2 && lane == 0) {
+            e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(braw);
+        }
+    }
+    // tile_settle on the half
+    if (tid == 0) {
+        const bool last = old == it.per_seq - 1;
+        if (last) {
+            it.meta[0] = pl.new_len;
+            it.meta[1] = pl.new_pending;
+            it.meta[2] = 0u;
+            it.meta[3] = pl.new_len;
+        }
+        z_last = last && store && pl.append_at != KDA_NONE;
+    }
+    half_sync(half);
+    if (z_last) ring_commit_copy<HT>(p, slot, bos, 1u, (kda_u32)tid);
+    return true;
+}
+
+// pair_decode where it fits (a template: other modules never instantiate it).
+template <bool FITS>
+__device__ __forceinline__ bool pair_try(const KdaParams& p, unsigned char* zb, kda_u32 item, int half,
+                                         kda_u32& z_last) {
+    if constexpr (FITS) {
+        return pair_decode(p, zb, item, half, z_last);
+    } else {
+        return false;
+    }
+}
+
 } // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
@@ -705,5 +1078,27 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const Kd
     if constexpr (LEAN_FITS) {
         if (p.op == KDA_OP_DECODE && ring_delta_decode(p)) return;
     }
-    ring_delta_item(p);
+    ring_delta_item(p, blockIdx.x);
+}
+
+// Ring decode of 2-byte K-first pools, K = V = 128 (the host's choice): two lean items per CTA
+// (pair_decode), then the general item on the whole CTA for any item the lean path did not take.
+extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta_pair(const KdaParams p) {
+    using namespace kda;
+    extern __shared__ __align__(16) unsigned char dsm[];
+    __shared__ kda_u32 z_last[2], z_left[2];
+    const int half = (int)threadIdx.x / HT;
+    const kda_u32 item = 2u * blockIdx.x + (kda_u32)half;
+    const bool exists = item < p.n_seqs * p.hv * p.vblocks;
+    bool done = !exists;
+    if (exists && p.op == KDA_OP_DECODE)
+        done = pair_try<PAIR_FITS>(p, dsm + half * PairLayout((int)p.ring_len).bytes, item, half, z_last[half]);
+    if ((int)threadIdx.x == half * HT) z_left[half] = done ? 0u : 1u;
+    __syncthreads();
+#pragma unroll 1
+    for (kda_u32 i = 0; i < 2u; ++i) {
+        if (z_left[i] == 0u) continue;
+        ring_delta_item(p, 2u * blockIdx.x + i);
+        __syncthreads(); // (its shared memory, before the next one's)
+    }
 }
