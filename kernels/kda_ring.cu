@@ -238,40 +238,36 @@ __device__ __forceinline__ void ring_issue_tile(unsigned char* tile, const KdaPa
     cp_async_commit();
 }
 
-// NT threads (thread tid; the CTA by default) copy n words of W from s to d, four loads in
-// flight per thread. (Loops not unrolled further: the kernel's code stays small.)
-template <typename W, int NT = RT> __device__ __forceinline__ void cta_copy(W* d, const W* s, size_t n, kda_u32 tid) {
-    size_t i = tid;
+// The CTA copies n words of W from s to d, four loads in flight per thread.
+// (Loops not unrolled further: the kernel's code stays small.)
+template <typename W> __device__ __forceinline__ void cta_copy(W* d, const W* s, size_t n) {
+    size_t i = threadIdx.x;
 #pragma unroll 1
-    for (; i + 3 * NT < n; i += 4 * NT) {
-        const W a = s[i], b = s[i + NT], c = s[i + 2 * NT], e = s[i + 3 * NT];
+    for (; i + 3 * RT < n; i += 4 * RT) {
+        const W a = s[i], b = s[i + RT], c = s[i + 2 * RT], e = s[i + 3 * RT];
         d[i] = a;
-        d[i + NT] = b;
-        d[i + 2 * NT] = c;
-        d[i + 3 * NT] = e;
+        d[i + RT] = b;
+        d[i + 2 * RT] = c;
+        d[i + 3 * RT] = e;
     }
 #pragma unroll 1
-    for (; i < n; i += NT) d[i] = s[i];
+    for (; i < n; i += RT) d[i] = s[i];
 }
 
-// NT threads copy `bytes` (a multiple of gran) from s to d in words of gran bytes.
-template <int NT = RT>
-__device__ __forceinline__ void cta_copy_bytes(void* d, const void* s, size_t bytes, int gran, kda_u32 tid) {
+// The CTA copies `bytes` (a multiple of gran) from s to d in words of gran bytes.
+__device__ __forceinline__ void cta_copy_bytes(void* d, const void* s, size_t bytes, int gran) {
     if (gran == 16) {
-        cta_copy<uint4, NT>(reinterpret_cast<uint4*>(d), reinterpret_cast<const uint4*>(s), bytes / 16, tid);
+        cta_copy(reinterpret_cast<uint4*>(d), reinterpret_cast<const uint4*>(s), bytes / 16);
     } else if (gran == 8) {
-        cta_copy<uint2, NT>(reinterpret_cast<uint2*>(d), reinterpret_cast<const uint2*>(s), bytes / 8, tid);
+        cta_copy(reinterpret_cast<uint2*>(d), reinterpret_cast<const uint2*>(s), bytes / 8);
     } else {
-        cta_copy<kda_u32, NT>(reinterpret_cast<kda_u32*>(d), reinterpret_cast<const kda_u32*>(s), bytes / 4, tid);
+        cta_copy(reinterpret_cast<kda_u32*>(d), reinterpret_cast<const kda_u32*>(s), bytes / 4);
     }
 }
 
-// A commit's new ring entries 0..nnew of a whole slot, from the call's inputs (NT threads,
-// thread tid: every thread of the CTA by default; a ring entry holds one token's k, v, g rows
-// of all heads, then its betas).
-template <int NT = RT>
-__device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slot, kda_u32 bos, kda_u32 nnew,
-                                                 kda_u32 tid) {
+// A commit's new ring entries 0..nnew of a whole slot, from the call's inputs (every thread of
+// the CTA; a ring entry holds one token's k, v, g rows of all heads, then its betas).
+__device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slot, kda_u32 bos, kda_u32 nnew) {
     const size_t entry = ring_entry_elems(p);
     const size_t hk = (size_t)p.h * K, hvv = (size_t)p.hv * V, hvk = (size_t)p.hv * K;
     const int gran = (int)p.ring_gran;
@@ -285,9 +281,9 @@ __device__ __forceinline__ void ring_commit_copy(const KdaParams& p, kda_u32 slo
             const size_t n = part == 0 ? hk : part == 1 ? hvv : hvk;
             const IT* src = reinterpret_cast<const IT*>(part == 0 ? p.k : part == 1 ? p.v : p.g) + tok * n;
             const size_t at = part == 0 ? 0 : part == 1 ? ring_off_v(p, 0) : ring_off_g(p, 0);
-            cta_copy_bytes<NT>(e + at, src, n * sizeof(IT), gran, tid);
+            cta_copy_bytes(e + at, src, n * sizeof(IT), gran);
         }
-        for (size_t i = tid; i < p.hv; i += NT)
+        for (size_t i = threadIdx.x; i < p.hv; i += RT)
             e[ring_off_beta(p, i)] = reinterpret_cast<const IT*>(p.beta)[tok * p.hv + i];
     }
 }
@@ -430,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         __syncthreads();
         // entries of a committed slot this CTA arrived last on (published by the bookkeeper)
         const kda_u32* cp = s_copy[stage ^ 1];
-        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2], threadIdx.x);
+        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2]);
         const RingItem me = s_items[j0];
 
         // issue the next item
@@ -575,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
         if (e == i && threadIdx.x == BK) ring_settle(s_prev, prev_old == per_seq - 1, metas, s_copy[e & 1]);
         __syncthreads();
         const kda_u32* cp = s_copy[e & 1];
-        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2], threadIdx.x);
+        if (cp[0] != KDA_NONE) ring_commit_copy(p, cp[0], cp[1], cp[2]);
     }
 }
 
@@ -660,11 +656,9 @@ struct TileItem {
 // The item's coordinates, slot and new tokens (the host's: read before the wait, early_u32), a
 // dependent launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host
 // checked); CTAS: the kernel's CTAs per SM (its launch bounds).
-// (item: blockIdx.x but in kda_ring_delta_pair, two items per CTA; CTAS then counts items)
-template <bool WHOLE = false, int CTAS = 2>
-__device__ __forceinline__ TileItem tile_item_at(const KdaParams& p, kda_u32 item) {
+template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p) {
     TileItem it;
-    it.item = item;
+    it.item = blockIdx.x;
     it.per_seq = p.hv * p.vblocks;
     it.n = kda_div(it.item, p.div_seq);
     const kda_u32 rem = it.item - it.n * it.per_seq;
@@ -691,9 +685,6 @@ __device__ __forceinline__ TileItem tile_item_at(const KdaParams& p, kda_u32 ite
 #endif
     KDA_DEPENDENT_LAUNCH();
     return it;
-}
-template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p) {
-    return tile_item_at<WHOLE, CTAS>(p, blockIdx.x);
 }
 
 // What an item's plan needs, loaded after the wait: thread 0 the slot's ring record (length,
@@ -890,7 +881,7 @@ __device__ __forceinline__ void tile_settle(const KdaParams& p, const Plan& pl, 
         s_last = last && store && pl.append_at != KDA_NONE && nnew > 0;
     }
     __syncthreads();
-    if (s_last) ring_commit_copy(p, slot, bos, nnew, threadIdx.x);
+    if (s_last) ring_commit_copy(p, slot, bos, nnew);
 }
 } // namespace kda
 

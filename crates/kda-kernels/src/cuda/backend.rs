@@ -511,10 +511,6 @@ struct RingShape {
     stochastic: bool,
     /// Whether the pool has a delta plane (`kda_ring_delta` needs one).
     deltas: bool,
-    /// Whether the state is stored V-first.
-    v_first: bool,
-    /// Whether the call is a ring decode (one new token per sequence).
-    decode: bool,
     smem_optin: usize,
 }
 
@@ -533,8 +529,6 @@ struct RingPlan {
     vblocks: usize,
     /// Dynamic shared memory, bytes.
     smem: usize,
-    /// `kda_ring_delta_pair` (two items per CTA) instead of `kda_ring_delta` ([`pair_decode`]).
-    pair: bool,
 }
 
 /// Threads of a `kda_ring` CTA (`RT` in `kernels/kda_ring.cu`).
@@ -605,16 +599,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
             } else {
                 0
             };
-            // kda_ring_delta_pair: per item (two per CTA) `PairLayout`, LeanLayout's arrays
-            // for four warps and the staged tile (8 bytes per lane, row and column block)
-            let pair = if pair_decode(s) {
-                2 * (s.ring_len * (2 * r16(s.k * isz) + 4 * s.v + 8 * s.k)
-                    + (RING_THREADS / 64) * 2 * 4 * s.k
-                    + s.k * s.v * s.state_size)
-            } else {
-                0
-            };
-            general.max(lean).max(pair)
+            general.max(lean)
         }
         RingKernel::Mma => {
             // keys and queries, decays (rows of K + 4 floats); the pair matrices, betas, P; the
@@ -635,15 +620,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         gran,
         vblocks: s.v.div_ceil(cw),
         smem,
-        pair: kernel == RingKernel::Delta && pair_decode(s),
     })
-}
-
-/// Whether `kda_ring_delta` runs as `kda_ring_delta_pair`: ring decode of a 2-byte K-first pool
-/// with K = V = 128, two lean items per CTA with their state tiles in shared memory
-/// (`PAIR_FITS` in `kernels/kda_ring_delta.cu`).
-fn pair_decode(s: &RingShape) -> bool {
-    s.decode && s.state_size == 2 && !s.v_first && s.k == 128 && s.v == 128
 }
 
 /// Most items (sequence, value head, column block) of a ring decode call that `kda_ring_tile`
@@ -1174,8 +1151,6 @@ impl CudaBackend {
                 heads: n * g.hv,
                 stochastic: sr == 1,
                 deltas: g.ring_deltas,
-                v_first: g.layout == StateLayout::VFirst,
-                decode: call.op == Op::Decode,
                 smem_optin: self.smem_optin,
             };
             ring_choice(&shape, call.op, *self.ring_kernel.lock())
@@ -1216,7 +1191,7 @@ impl CudaBackend {
                 (f, name, pl.smem, Some(grid))
             }
             (None, Some(rp)) if rp.kernel != RingKernel::Pipelined => {
-                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel, rp.pair)?;
+                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
                 Self::opt_in_smem(&f, name, rp.smem)?;
                 (f, name, rp.smem, None)
             }
@@ -1256,11 +1231,7 @@ impl CudaBackend {
             (g.hv, 1usize, warps_per_head.div_ceil(w), w)
         };
         let items = n * units * vblocks;
-        let grid = match ring_pipe {
-            // two items per CTA
-            Some(rp) if rp.pair => items.div_ceil(2),
-            _ => grid_cap.map_or(items, |c| items.min(c)),
-        };
+        let grid = grid_cap.map_or(items, |c| items.min(c));
         if grid > i32::MAX as usize {
             return Err(KernelError::arg(
                 "slots",
@@ -2002,8 +1973,6 @@ mod tests {
             heads: 768,
             stochastic: false,
             deltas: false,
-            v_first: false,
-            decode: false,
             smem_optin: 227 * 1024,
         }
     }
@@ -2130,40 +2099,8 @@ mod tests {
                     "ring {ring_len}, {input_size}-byte inputs: {} < {end}",
                     p.smem
                 );
-                assert!(!p.pair, "not a decode call");
-                // kda_ring_delta_pair: two items' `PairLayout`s, each the entries' arrays, two
-                // rows for each of four warps and the staged tile (32 KB)
-                s.decode = true;
-                let p = ring_plan(&s, RingKernel::Delta).expect("decode fits");
-                assert!(p.pair);
-                let pair_end = 2 * (pw + 4 * 2 * 4 * 128 + 128 * 128 * 2);
-                assert!(
-                    p.smem >= pair_end,
-                    "ring {ring_len}: {} < {pair_end}",
-                    p.smem
-                );
             }
         }
-    }
-
-    #[test]
-    fn delta_decode_runs_in_pairs_only_for_two_byte_k_first_heads_of_128_by_128() {
-        let pair = |state_size: usize, v_first: bool, decode: bool, k: usize| {
-            let mut s = ring_shape(state_size, 8, 1);
-            (s.deltas, s.v_first, s.decode, s.k) = (true, v_first, decode, k);
-            ring_plan(&s, RingKernel::Delta).map(|p| p.pair)
-        };
-        assert_eq!(pair(2, false, true, 128), Some(true));
-        assert_eq!(pair(2, true, true, 128), Some(false), "V-first");
-        assert_eq!(pair(4, false, true, 128), Some(false), "fp32");
-        assert_eq!(pair(2, false, false, 128), Some(false), "spec_verify");
-        assert_eq!(pair(2, false, true, 64), Some(false), "K = 64");
-        // two CTAs per SM at ring 8 (the kernel's launch bounds): 228 KB per SM, 1 KB
-        // reserved per CTA, 48 bytes of static shared memory
-        let mut s = ring_shape(2, 8, 1);
-        (s.deltas, s.decode) = (true, true);
-        let p = ring_plan(&s, RingKernel::Delta).expect("ring 8");
-        assert!(2 * (p.smem + 1024 + 48) <= 228 * 1024, "{} bytes", p.smem);
     }
 
     #[test]

@@ -64,7 +64,6 @@ enum Key {
     RingTile(StepKey),
     RingMma(StepKey),
     RingDelta(StepKey),
-    RingDeltaPair(StepKey),
     Fill,
     Copy,
 }
@@ -86,7 +85,6 @@ impl Key {
             Key::RingTile(_) => "kda_ring_tile",
             Key::RingMma(_) => "kda_ring_mma",
             Key::RingDelta(_) => "kda_ring_delta",
-            Key::RingDeltaPair(_) => "kda_ring_delta_pair",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -107,14 +105,13 @@ impl Key {
             | Key::Ring(k)
             | Key::RingTile(k)
             | Key::RingMma(k)
-            | Key::RingDelta(k)
-            | Key::RingDeltaPair(k) => ModuleKey::Step(k),
+            | Key::RingDelta(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (fourteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (thirteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -123,7 +120,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 14] {
+fn step_module(k: StepKey) -> [Key; 13] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -138,7 +135,6 @@ fn step_module(k: StepKey) -> [Key; 14] {
         Key::RingTile(k),
         Key::RingMma(k),
         Key::RingDelta(k),
-        Key::RingDeltaPair(k),
     ]
 }
 
@@ -295,11 +291,10 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
             .collect(),
     );
     for (key, f) in fs.iter() {
-        // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit,
-        // kda_eager_bulk_pipe for as many buffers and kda_ring_delta_pair for two CTAs of
-        // two staged tiles: all of the SM's shared memory, not the L1 the driver might keep
-        // (set once, at load)
-        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) | Key::RingDeltaPair(_) = key {
+        // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit, and
+        // kda_eager_bulk_pipe for as many buffers: all of the SM's shared memory, not the L1
+        // the driver might keep (set once, at load)
+        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) = key {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                 100,
@@ -392,16 +387,14 @@ pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 
 /// A one-item-per-CTA ring kernel specialised on `key` (same module as `kda_step`), compiled on
 /// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], `kda_ring_delta` for
-/// [`RingKernel::Delta`] (`kda_ring_delta_pair` where `pair`), else `kda_ring_tile`.
+/// [`RingKernel::Delta`], else `kda_ring_tile`.
 pub(crate) fn ring_tile_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
     kernel: RingKernel,
-    pair: bool,
 ) -> Result<(CudaFunction, &'static str)> {
     let k = match kernel {
         RingKernel::Mma => Key::RingMma(key),
-        RingKernel::Delta if pair => Key::RingDeltaPair(key),
         RingKernel::Delta => Key::RingDelta(key),
         _ => Key::RingTile(key),
     };
