@@ -164,15 +164,131 @@ constexpr int KR = LEAN_FITS ? 4 : 1;
 // backend.rs): per pending entry its raw k and g rows (RK each), its delta vector (f32 [V]),
 // its activated key and decay (f32 [K] each); then two f32 rows [K] per warp.
 struct LeanLayout {
-    int raw, u, ka, da, pw;
+    int raw, u, ka, da, pw, st;
     __device__ __forceinline__ explicit LeanLayout(int ring_len) {
         raw = 0;
         u = raw + ring_len * 2 * RK;
         ka = u + ring_len * 4 * V;
         da = ka + ring_len * 4 * K;
-        pw = da + ring_len * 4 * K; // then (RT / 32) x 2 x 4 K bytes: the end
+        pw = da + ring_len * 4 * K;
+        st = pw + (RT / 32) * 2 * 4 * K; // then the staged tile (kda_ring_delta_staged): the end
     }
 };
+
+// kda_ring_delta_staged: the lean path with a 2-byte K-first tile staged in shared memory
+// instead of registers, so the kernel fits 80 registers and three CTAs per SM. Each lane copies
+// its own TK rows of TV columns (8 bytes each, cp.async) and reads back only those, so no barrier
+// guards them: row r of thread t at st + (r RT + t) 8 (a warp's lanes read 256 contiguous bytes).
+constexpr bool STAGE_FITS = LEAN_FITS && TILE_WORDS && !VFIRST;
+
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__)
+// Rows R.. of stage_tile: one base address each side, the rows as immediate offsets (K-first:
+// a lane's rows are consecutive).
+template <int R> __device__ __forceinline__ void stage_rows(kda_u32 dst, const ST* src) {
+    if constexpr (R < TK) {
+        asm volatile("cp.async.ca.shared.global [%0+%2], [%1+%3], 8;\n" ::"r"(dst), "l"(src), "n"(R * RT * 8),
+                     "n"(R * V * (int)sizeof(ST))
+                     : "memory");
+        stage_rows<R + 1>(dst, src);
+    }
+}
+#endif
+__device__ __forceinline__ void stage_tile(unsigned char* st, const ST* head, int lk, int col0) {
+    const ST* src = head + (size_t)row_of(lk, 0) * V + col0;
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#pragma unroll
+    for (int r = 0; r < TK; ++r)
+        cp_async8(st + ((size_t)r * RT + threadIdx.x) * 8, src + (size_t)r * V);
+#else
+    stage_rows<0>(smem_addr(st) + threadIdx.x * 8, src);
+#endif
+}
+// (templates, so only 2-byte modules compile the conversions)
+template <typename T = ST> __device__ __forceinline__ void staged_row(const unsigned char* st, int r, float (&x)[TV]) {
+    const uint2 w = *reinterpret_cast<const uint2*>(st + ((size_t)r * RT + threadIdx.x) * 8);
+    x[0] = kda_word_half<T>(w.x, false);
+    x[1] = kda_word_half<T>(w.x, true);
+    x[2] = kda_word_half<T>(w.y, false);
+    x[3] = kda_word_half<T>(w.y, true);
+}
+
+// tile_products over the staged tile, four rows at a time (the same order of sums).
+template <typename T = ST>
+__device__ __forceinline__ void staged_products(const unsigned char* st, const float* krow, const float* qrow,
+                                                int lk, float (&ak)[TV], float (&aq)[TV]) {
+#pragma unroll
+    for (int r0 = 0; r0 < TK; r0 += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(krow + row_of(lk, r0));
+        const float4 q4 = *reinterpret_cast<const float4*>(qrow + row_of(lk, r0));
+        const float kv[4] = {k4.x, k4.y, k4.z, k4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            float x[TV];
+            staged_row<T>(st, r0 + m, x);
+#pragma unroll
+            for (int c = 0; c < TV; ++c) {
+                ak[c] = fmaf(kv[m], x[c], ak[c]);
+                aq[c] = fmaf(qv[m], x[c], aq[c]);
+            }
+        }
+    }
+}
+
+// A commit on the staged tile, four rows at a time: diag(P) S + sum_j (R_{pend-1,j} k_j) u_j^T
+// from the activated keys ka and decays da (f32 [K] rows) and the vectors ua, stored rounded to
+// nearest, and the products of the committed (unrounded) rows, as tile_products (the same
+// order of operations as the register path's commit).
+template <typename T = ST>
+__device__ __forceinline__ void staged_commit(const unsigned char* st, ST* head, int lk, int col0, int pend,
+                                              const float* ka, const float* da, const float* ua,
+                                              const float* krow, const float* qrow, float (&ak)[TV],
+                                              float (&aq)[TV]) {
+#pragma unroll 1
+    for (int r0 = 0; r0 < TK; r0 += 4) {
+        const int row = row_of(lk, r0);
+        float s4[4][TV], pr[4] = {1.0f, 1.0f, 1.0f, 1.0f}, rk[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) staged_row<T>(st, r0 + m, s4[m]);
+        for (int j = 0; j < pend; ++j) {
+            const float4 d = *reinterpret_cast<const float4*>(da + j * K + row);
+            pr[0] *= d.x;
+            pr[1] *= d.y;
+            pr[2] *= d.z;
+            pr[3] *= d.w;
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+#pragma unroll
+            for (int c = 0; c < TV; ++c) s4[m][c] *= pr[m];
+        for (int j = pend - 1; j >= 0; --j) {
+            const float4 k = *reinterpret_cast<const float4*>(ka + j * K + row);
+            const float4 d = *reinterpret_cast<const float4*>(da + j * K + row);
+            const float4 u4 = *reinterpret_cast<const float4*>(ua + j * V + col0);
+            const float kv[4] = {k.x, k.y, k.z, k.w}, dv[4] = {d.x, d.y, d.z, d.w};
+            const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float e = rk[m] * kv[m];
+                rk[m] *= dv[m];
+#pragma unroll
+                for (int c = 0; c < TV; ++c) s4[m][c] = fmaf(e, uv[c], s4[m][c]);
+            }
+        }
+        const float4 k4 = *reinterpret_cast<const float4*>(krow + row);
+        const float4 q4 = *reinterpret_cast<const float4*>(qrow + row);
+        const float kv[4] = {k4.x, k4.y, k4.z, k4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const uint2 w = make_uint2(kda_pack2_rn<T>(s4[m][0], s4[m][1]), kda_pack2_rn<T>(s4[m][2], s4[m][3]));
+            KDA_STORE_STREAM(reinterpret_cast<uint2*>(head + (size_t)(row + m) * V + col0), w);
+#pragma unroll
+            for (int c = 0; c < TV; ++c) {
+                ak[c] = fmaf(kv[m], s4[m][c], ak[c]);
+                aq[c] = fmaf(qv[m], s4[m][c], aq[c]);
+            }
+        }
+    }
+}
 
 // A lane's KR split rows of a K row of inputs (16-byte aligned rows of K elements).
 __device__ __forceinline__ void split_load(const IT* row, int lane, float (&x)[KR]) {
@@ -244,7 +360,8 @@ __device__ __forceinline__ float pair_sums(float (&x)[8], int lane) {
 
 // The lean path of one item (blockIdx.x); false, before any write, for an item it does not
 // take (not one new token, or pending entries without stored vectors): the caller then runs
-// the general item.
+// the general item. STAGE: the tile staged in shared memory (kda_ring_delta_staged).
+template <bool STAGE>
 __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ kda_u32 z_last;
@@ -306,9 +423,15 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     }
     cp_async_commit();
     ST* head = state_head(p, slot, (size_t)hv);
-    float s[TK][TV];
+    unsigned char* st = dsm + Z.st;
+    float s[TK][TV]; // (unused when STAGE)
     kda_u32 w[TW];
-    tile_load_lane(head, lk, col0l, w, s);
+    if constexpr (STAGE) {
+        stage_tile(st, head, lk, col0l);
+        cp_async_commit();
+    } else {
+        tile_load_lane(head, lk, col0l, w, s);
+    }
     // the new token's activations, in every warp (the FAST choices of the general item)
     const bool l2 = p.l2norm != 0u;
     split_l2(kt, l2);
@@ -321,7 +444,11 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     }
     const float bt = act_beta(braw, p);
     // the warp's pending entries activated, split, into shared memory (once its copies landed)
-    cp_async_wait<0>();
+    if constexpr (STAGE) {
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
     __syncwarp();
     float* ka = reinterpret_cast<float*>(dsm + Z.ka);
     float* da = reinterpret_cast<float*>(dsm + Z.da);
@@ -346,7 +473,7 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     float rr[KR], corr = 0.0f;
 #pragma unroll
     for (int i = 0; i < KR; ++i) rr[i] = dt[i];
-    if constexpr (TILE_WORDS) tile_from_words(w, s);
+    if constexpr (TILE_WORDS && !STAGE) tile_from_words(w, s);
     if (!store) {
         // c_tj = k_t . R_tj k_j and e_tj = q_t . R_tj k_j, four entries at a time (j going
         // down): a lane's eight partial sums reduced transposed (pair_sums), then the lane's
@@ -378,7 +505,7 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
                 if (j0 - m >= 0) corr = fmaf(ce, ua[(j0 - m) * V + colm], corr);
             }
         }
-    } else if (pend > 0) {
+    } else if (!STAGE && pend > 0) {
         // the commit: diag(P) S + sum_j (R_{pend-1,j} k_j) u_j^T, rounded once; P first
         float pr[KR], rk[KR];
 #pragma unroll
@@ -426,7 +553,17 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     float ak[TV], aq[TV];
 #pragma unroll
     for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
-    tile_products(s, pk, pq, lk, ak, aq);
+    if constexpr (STAGE) {
+        // the lane's own staged rows (no barrier)
+        cp_async_wait<0>();
+        if (store && pend > 0) {
+            staged_commit(st, head, lk, col0l, pend, ka, da, ua, pk, pq, ak, aq);
+        } else {
+            staged_products(st, pk, pq, lk, ak, aq);
+        }
+    } else {
+        tile_products(s, pk, pq, lk, ak, aq);
+    }
     // lane lk of a column group: k S of column mc (lk < 4) or q S of it, then the new token's
     // delta vector (the k lanes) and output (the q lanes)
     const float a = scatter_sums(ak, aq, lk) + corr;
@@ -446,7 +583,14 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
             split_load(reinterpret_cast<const IT*>(p.k) + ((size_t)bos * p.h + h) * K, lane, r);
             split_store_raw(e + (size_t)h * K + KR * lane, r);
         } else if (warp == 1) {
-            split_store_raw(e + ring_off_g(p, hv) + KR * lane, gt);
+            if constexpr (STAGE) {
+                // (loaded again: not kept live across the item)
+                float r[KR];
+                split_load(reinterpret_cast<const IT*>(p.g) + ((size_t)bos * p.hv + hv) * K, lane, r);
+                split_store_raw(e + ring_off_g(p, hv) + KR * lane, r);
+            } else {
+                split_store_raw(e + ring_off_g(p, hv) + KR * lane, gt);
+            }
         } else if (warp == 2 && lane == 0) {
             e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(braw);
         }
@@ -703,7 +847,30 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
     using namespace kda;
     if constexpr (LEAN_FITS) {
-        if (p.op == KDA_OP_DECODE && ring_delta_decode(p)) return;
+        if (p.op == KDA_OP_DECODE && ring_delta_decode<false>(p)) return;
     }
     ring_delta_item(p);
+}
+
+namespace kda {
+// The general item out of line, so its registers (spilled under three CTAs per SM) do not
+// constrain the staged path's.
+__device__ __noinline__ void ring_delta_item_far(const KdaParams p) { ring_delta_item(p); }
+// The staged lean path where it fits (a template, so other modules never instantiate it).
+template <bool FITS> __device__ __forceinline__ bool staged_decode(const KdaParams& p) {
+    if constexpr (FITS) {
+        return ring_delta_decode<true>(p);
+    } else {
+        return false;
+    }
+}
+} // namespace kda
+
+// Ring decode of 2-byte K-first pools with K = V = 128 (the host's choice): the lean path with
+// the tile staged in shared memory, three CTAs per SM; the general item for what it does not
+// take.
+extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring_delta_staged(const KdaParams p) {
+    using namespace kda;
+    if (p.op == KDA_OP_DECODE && staged_decode<STAGE_FITS>(p)) return;
+    ring_delta_item_far(p);
 }

@@ -31,11 +31,12 @@ use super::CliError;
 
 /// The ring kernels each ring case is also timed with, forced, and their rows' suffixes
 /// (`decode-piped`, `spec-tile`, `replay-step`, ...).
-const RING_ROWS: [(&str, RingKernel); 5] = [
+const RING_ROWS: [(&str, RingKernel); 6] = [
     ("piped", RingKernel::Pipelined),
     ("tile", RingKernel::Tile),
     ("mma", RingKernel::Mma),
     ("delta", RingKernel::Delta),
+    ("staged", RingKernel::DeltaStaged),
     ("step", RingKernel::Step),
 ];
 

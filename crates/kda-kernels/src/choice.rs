@@ -63,6 +63,12 @@ pub enum RingKernel {
     /// ring decode and spec_verify. Not the bits of the others (fp32 states within about 1e-6,
     /// 2-byte ones within one rounding step of them).
     Delta,
+    /// `kda_ring_delta_staged`: `Delta` for ring decode of 2-byte K-first pools with K = V =
+    /// 128, its lean path reading the state tile from shared memory (each lane copies its own
+    /// rows there) instead of holding it in registers, so three CTAs share an SM instead of
+    /// two. Same bits as `Delta`. The default for such calls from 2048 items (value heads x
+    /// column blocks) on pools with a delta plane; other calls forced to it run `Step`.
+    DeltaStaged,
     /// The general kernel of every operation, one q/k head with its value heads per CTA
     /// (`kda_step`).
     Step,

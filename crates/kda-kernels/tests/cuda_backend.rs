@@ -942,6 +942,71 @@ fn cuda_delta_ring_kernel_matches_the_cpu_backend() {
     cu.set_ring_kernel(None).expect("ring kernel");
 }
 
+/// `kda_ring_delta_staged` (the tile in shared memory) against `kda_ring_delta` (in
+/// registers), twin layers with the same states: ring decodes over three commits, one of them on
+/// `kda_step` (which stores no delta vectors, so the next call hands over to the general item),
+/// then equal bits of the outputs, the states, the ring records and entries after every call;
+/// fp16 and bf16 pools, rings of 4 and 8, GVA.
+#[test]
+fn cuda_staged_delta_kernel_equals_the_delta_kernel_bit_for_bit() {
+    let Some(cu) = cuda() else { return };
+    for state in [Dtype::Fp16, Dtype::Bf16] {
+        for ring_len in [4, 8] {
+            let c = Case {
+                ring_deltas: true,
+                ..case(
+                    2,
+                    4,
+                    128,
+                    128,
+                    state,
+                    Dtype::Bf16,
+                    StateLayout::KFirst,
+                    ring_len,
+                )
+            };
+            let mut rng = StdRng::seed_from_u64(131 + ring_len as u64);
+            let (mut staged, mut delta) = twin_layers(&cu, &c, &c, &mut rng);
+            let dims = c.dims();
+            let n = c.slots.len();
+            let params = HostInputs::random(&mut rng, dims, 0, &c.opts, c.input_dtype);
+            let bounds: Vec<usize> = (0..=n).collect();
+            for step in 0..3 * ring_len + 2 {
+                let inputs = HostInputs::random(&mut rng, dims, n, &c.opts, c.input_dtype)
+                    .with_gate_params(&params.a_log, &params.dt_bias);
+                let on_step = step == ring_len + 1;
+                let mut outs = Vec::new();
+                for (layer, kernel) in [
+                    (&mut staged, RingKernel::DeltaStaged),
+                    (&mut delta, RingKernel::Delta),
+                ] {
+                    let kernel = if on_step { RingKernel::Step } else { kernel };
+                    cu.set_ring_kernel(Some(kernel)).expect("ring kernel");
+                    outs.push(
+                        run_tokens(
+                            &cu,
+                            layer,
+                            TokenOp::Decode,
+                            &bounds,
+                            &c.slots,
+                            &inputs,
+                            &c.opts,
+                        )
+                        .expect("decode"),
+                    );
+                }
+                assert_bits_eq(&outs[0], &outs[1], &format!("step {step} outputs"));
+                assert_twins_agree(&cu, step, &c.slots, &staged, &delta);
+            }
+            eprintln!(
+                "{state} ring {ring_len}: {} decodes, equal bits",
+                3 * ring_len + 2
+            );
+        }
+    }
+    cu.set_ring_kernel(None).expect("ring kernel");
+}
+
 #[test]
 fn cuda_dependent_launches_give_the_bits_of_plain_launches_for_every_operation() {
     // every operation, each call reading what the one before it wrote (host copies run between

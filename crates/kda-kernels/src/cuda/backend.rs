@@ -511,6 +511,10 @@ struct RingShape {
     stochastic: bool,
     /// Whether the pool has a delta plane (`kda_ring_delta` needs one).
     deltas: bool,
+    /// Whether the state is stored V-first.
+    v_first: bool,
+    /// Whether the call is a ring decode (one new token per sequence).
+    decode: bool,
     smem_optin: usize,
 }
 
@@ -565,7 +569,9 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         || mt > RING_MAX_TOKENS
         || (kernel == RingKernel::Mma
             && (s.k != MMA_ITEM || cw != MMA_ITEM || !s.v.is_multiple_of(MMA_ITEM)))
-        || (kernel == RingKernel::Delta && (!s.deltas || !s.v.is_multiple_of(4)))
+        || (matches!(kernel, RingKernel::Delta | RingKernel::DeltaStaged)
+            && (!s.deltas || !s.v.is_multiple_of(4)))
+        || (kernel == RingKernel::DeltaStaged && !staged_fits(s))
     {
         return None;
     }
@@ -585,7 +591,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let rows = mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
     let smem = match kernel {
         RingKernel::Tile => rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt),
-        RingKernel::Delta => {
+        RingKernel::Delta | RingKernel::DeltaStaged => {
             // Tile's, then the delta vectors by token, a block of R k rows per new token (one at
             // least: a commit's), P k and P q per new token, P, the pair sums and q . k
             let floats = mt * cw + mq.max(1) * mt * ks + 2 * mq * ks + ks + 2 * mq * mt;
@@ -599,7 +605,14 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
             } else {
                 0
             };
-            general.max(lean)
+            // kda_ring_delta_staged: the lean path's tile staged after it (8 bytes per lane
+            // and row)
+            let staged = if kernel == RingKernel::DeltaStaged {
+                lean + RING_THREADS * 8 * (s.k / 8)
+            } else {
+                0
+            };
+            general.max(lean).max(staged)
         }
         RingKernel::Mma => {
             // keys and queries, decays (rows of K + 4 floats); the pair matrices, betas, P; the
@@ -621,6 +634,12 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         vblocks: s.v.div_ceil(cw),
         smem,
     })
+}
+
+/// Whether a call fits `kda_ring_delta_staged` ([`RingKernel::DeltaStaged`]): ring decode of a
+/// 2-byte K-first pool with K = V = 128 (`STAGE_FITS` in `kernels/kda_ring_delta.cu`).
+fn staged_fits(s: &RingShape) -> bool {
+    s.decode && s.state_size == 2 && !s.v_first && s.k == 128 && s.v == 128
 }
 
 /// Most items (sequence, value head, column block) of a ring decode call that `kda_ring_tile`
@@ -677,6 +696,14 @@ fn delta_default(s: &RingShape, op: Op) -> bool {
     s.deltas && matches!(op, Op::Decode | Op::SpecVerify)
 }
 
+/// The fewest items of a ring decode call that `kda_ring_delta_staged` runs by default (where
+/// `kda_ring_delta` would, and the call fits it): with three CTAs per SM it measured faster than
+/// `kda_ring_delta` at 2048 items (0.7% fp16, 2.2% bf16), 3072 (3.1%, 4.6%) and 8192 (5.7%,
+/// 7.1%), slower at 768 (8.1%, 6.4%) and at 12-32 (7.5-9.5%), where a third CTA per SM has
+/// little to run and the item's own latency counts (H200, ring 8; docs/performance.md,
+/// thirty-sixth session).
+const STAGED_DECODE_FROM: usize = 2048;
+
 /// Whether a call of `op` of `items` items is one `kda_ring_mma` runs by default (where it fits).
 fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
     op == Op::SpecVerify
@@ -697,6 +724,11 @@ fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
     let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
     if forced.is_none() && delta_default(s, op) {
+        if op == Op::Decode && items >= STAGED_DECODE_FROM {
+            if let Some(p) = ring_plan(s, RingKernel::DeltaStaged) {
+                return Some(p);
+            }
+        }
         if let Some(p) = ring_plan(s, RingKernel::Delta) {
             return Some(p);
         }
@@ -1151,6 +1183,8 @@ impl CudaBackend {
                 heads: n * g.hv,
                 stochastic: sr == 1,
                 deltas: g.ring_deltas,
+                v_first: g.layout == StateLayout::VFirst,
+                decode: call.op == Op::Decode,
                 smem_optin: self.smem_optin,
             };
             ring_choice(&shape, call.op, *self.ring_kernel.lock())
@@ -1973,6 +2007,8 @@ mod tests {
             heads: 768,
             stochastic: false,
             deltas: false,
+            v_first: false,
+            decode: false,
             smem_optin: 227 * 1024,
         }
     }
@@ -2099,8 +2135,66 @@ mod tests {
                     "ring {ring_len}, {input_size}-byte inputs: {} < {end}",
                     p.smem
                 );
+                assert_eq!(
+                    ring_plan(&s, RingKernel::DeltaStaged),
+                    None,
+                    "not a decode call"
+                );
+                // kda_ring_delta_staged: the tile after it, 8 bytes per lane and row of its 16
+                s.decode = true;
+                let p = ring_plan(&s, RingKernel::DeltaStaged).expect("decode fits");
+                let staged_end = end + 256 * 16 * 8;
+                assert!(
+                    p.smem >= staged_end,
+                    "ring {ring_len}: {} < {staged_end}",
+                    p.smem
+                );
             }
         }
+    }
+
+    #[test]
+    fn staged_delta_kernel_fits_two_byte_k_first_decode_of_128_by_128_heads_only() {
+        let fits = |state_size: usize, v_first: bool, decode: bool, k: usize| {
+            let mut s = ring_shape(state_size, 8, 1);
+            (s.deltas, s.v_first, s.decode, s.k) = (true, v_first, decode, k);
+            ring_plan(&s, RingKernel::DeltaStaged).is_some()
+        };
+        assert!(fits(2, false, true, 128));
+        assert!(!fits(2, true, true, 128), "V-first");
+        assert!(!fits(4, false, true, 128), "fp32");
+        assert!(!fits(2, false, false, 128), "spec_verify");
+        assert!(!fits(2, false, true, 64), "K = 64");
+        let mut s = ring_shape(2, 8, 1);
+        (s.decode, s.deltas) = (true, false);
+        assert_eq!(
+            ring_plan(&s, RingKernel::DeltaStaged),
+            None,
+            "no delta plane"
+        );
+        // three CTAs per SM at ring 8 (the kernel's launch bounds): 228 KB per SM, 1 KB
+        // reserved per CTA, 48 bytes of static shared memory
+        s.deltas = true;
+        let p = ring_plan(&s, RingKernel::DeltaStaged).expect("ring 8");
+        assert!(3 * (p.smem + 1024 + 48) <= 228 * 1024, "{} bytes", p.smem);
+    }
+
+    #[test]
+    fn ring_choice_takes_the_staged_delta_kernel_for_big_two_byte_ring_decode_calls() {
+        let kernel = |state_size: usize, heads: usize, op: Op| {
+            let mut s = ring_shape(state_size, 8, 1);
+            (s.deltas, s.decode, s.heads) = (true, op == Op::Decode, heads);
+            ring_choice(&s, op, None).map(|p| p.kernel)
+        };
+        let staged = Some(RingKernel::DeltaStaged);
+        assert_eq!(kernel(2, STAGED_DECODE_FROM, Op::Decode), staged);
+        assert_eq!(kernel(2, 8192, Op::Decode), staged);
+        assert_eq!(
+            kernel(2, STAGED_DECODE_FROM - 1, Op::Decode),
+            Some(RingKernel::Delta)
+        );
+        assert_eq!(kernel(4, 8192, Op::Decode), Some(RingKernel::Delta), "fp32");
+        assert_eq!(kernel(2, 8192, Op::SpecVerify), Some(RingKernel::Delta));
     }
 
     #[test]

@@ -64,6 +64,7 @@ enum Key {
     RingTile(StepKey),
     RingMma(StepKey),
     RingDelta(StepKey),
+    RingDeltaStaged(StepKey),
     Fill,
     Copy,
 }
@@ -85,6 +86,7 @@ impl Key {
             Key::RingTile(_) => "kda_ring_tile",
             Key::RingMma(_) => "kda_ring_mma",
             Key::RingDelta(_) => "kda_ring_delta",
+            Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -105,13 +107,14 @@ impl Key {
             | Key::Ring(k)
             | Key::RingTile(k)
             | Key::RingMma(k)
-            | Key::RingDelta(k) => ModuleKey::Step(k),
+            | Key::RingDelta(k)
+            | Key::RingDeltaStaged(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (thirteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (fourteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -120,7 +123,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 13] {
+fn step_module(k: StepKey) -> [Key; 14] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -135,6 +138,7 @@ fn step_module(k: StepKey) -> [Key; 13] {
         Key::RingTile(k),
         Key::RingMma(k),
         Key::RingDelta(k),
+        Key::RingDeltaStaged(k),
     ]
 }
 
@@ -387,7 +391,8 @@ pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 
 /// A one-item-per-CTA ring kernel specialised on `key` (same module as `kda_step`), compiled on
 /// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], `kda_ring_delta` for
-/// [`RingKernel::Delta`], else `kda_ring_tile`.
+/// [`RingKernel::Delta`], `kda_ring_delta_staged` for [`RingKernel::DeltaStaged`], else
+/// `kda_ring_tile`.
 pub(crate) fn ring_tile_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
@@ -395,6 +400,7 @@ pub(crate) fn ring_tile_kernel(
 ) -> Result<(CudaFunction, &'static str)> {
     let k = match kernel {
         RingKernel::Mma => Key::RingMma(key),
+        RingKernel::DeltaStaged => Key::RingDeltaStaged(key),
         RingKernel::Delta => Key::RingDelta(key),
         _ => Key::RingTile(key),
     };
