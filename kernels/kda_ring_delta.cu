@@ -29,7 +29,10 @@
 // is each item's fixed cost (the plan's dependent loads, the pending entries' rows and
 // activations, the pair sums, the barriers between them), not the tile's bytes: variants that
 // fit three CTAs per SM by loading a 2-byte tile's words late (twenty-fourth session) or by
-// keeping the tile in shared memory (twenty-sixth) were slower.
+// keeping the tile in shared memory (twenty-sixth) were slower. The lean path with its tile in
+// shared memory (kda_ring_delta_staged, below) was 3-7% faster for 2-byte ring decode calls of
+// 3072-8192 items and up to 9% slower for small ones (thirty-sixth session): the default from
+// 2048 items.
 #include "kda_ring.cu"
 
 namespace kda {
@@ -176,9 +179,10 @@ struct LeanLayout {
 };
 
 // kda_ring_delta_staged: the lean path with a 2-byte K-first tile staged in shared memory
-// instead of registers, so the kernel fits 80 registers and three CTAs per SM. Each lane copies
-// its own TK rows of TV columns (8 bytes each, cp.async) and reads back only those, so no barrier
-// guards them: row r of thread t at st + (r RT + t) 8 (a warp's lanes read 256 contiguous bytes).
+// instead of registers, so the kernel fits 80 registers (52 bytes spilled: values live across
+// the item) and three CTAs per SM. Each lane copies its own TK rows of TV columns (8 bytes
+// each, cp.async) and reads back only those, so no barrier guards them: row r of thread t at
+// st + (r RT + t) 8 (a warp's lanes read 256 contiguous bytes).
 constexpr bool STAGE_FITS = LEAN_FITS && TILE_WORDS && !VFIRST;
 
 #if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__)

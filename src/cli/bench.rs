@@ -36,7 +36,7 @@ const RING_ROWS: [(&str, RingKernel); 6] = [
     ("tile", RingKernel::Tile),
     ("mma", RingKernel::Mma),
     ("delta", RingKernel::Delta),
-    ("staged", RingKernel::DeltaStaged),
+    ("delta-staged", RingKernel::DeltaStaged),
     ("step", RingKernel::Step),
 ];
 
@@ -134,7 +134,7 @@ pub struct Args {
     pub dependent_launch: String,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
-    /// pipe, blocked; with a ring: piped, tile, mma, delta, step).
+    /// pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, step).
     #[arg(long, default_value = "all")]
     pub forced: String,
 }
