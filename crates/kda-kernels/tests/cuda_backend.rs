@@ -954,16 +954,7 @@ fn cuda_staged_delta_kernel_equals_the_delta_kernel_bit_for_bit() {
         for ring_len in [4, 8] {
             let c = Case {
                 ring_deltas: true,
-                ..case(
-                    2,
-                    4,
-                    128,
-                    128,
-                    state,
-                    Dtype::Bf16,
-                    StateLayout::KFirst,
-                    ring_len,
-                )
+                ..gva_case(state, ring_len)
             };
             let mut rng = StdRng::seed_from_u64(131 + ring_len as u64);
             let (mut staged, mut delta) = twin_layers(&cu, &c, &c, &mut rng);
