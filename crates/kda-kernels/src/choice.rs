@@ -39,7 +39,7 @@ pub enum EagerKernel {
 }
 
 /// The kernels of calls with a ring (decode, spec_verify and replay over the replay ring). All
-/// but `Mma` and `Delta` give the same bits.
+/// but `Mma`, `Delta` and `DeltaStaged` give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RingKernel {
     /// Persistent CTAs of 8 warps that copy the next item's token rows and state tile into

@@ -479,7 +479,8 @@ mod tests {
                 "kda_ring",
                 "kda_ring_tile",
                 "kda_ring_mma",
-                "kda_ring_delta"
+                "kda_ring_delta",
+                "kda_ring_delta_staged"
             ]
         );
     }
