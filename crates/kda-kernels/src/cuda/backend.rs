@@ -724,7 +724,8 @@ fn mma_spec(s: &RingShape, op: Op, items: usize) -> bool {
 fn ring_choice(s: &RingShape, op: Op, forced: Option<RingKernel>) -> Option<RingPlan> {
     let items = s.heads * s.v.div_ceil(ring_item_columns(s.k));
     if forced.is_none() && delta_default(s, op) {
-        if op == Op::Decode && items >= STAGED_DECODE_FROM {
+        // (ring_plan takes only decode calls: `RingShape::decode`)
+        if items >= STAGED_DECODE_FROM {
             if let Some(p) = ring_plan(s, RingKernel::DeltaStaged) {
                 return Some(p);
             }
