@@ -603,15 +603,287 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     return true;
 }
 
-// The general item (any number of new tokens, the long path).
-__device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
-    extern __shared__ __align__(16) unsigned char dsm[];
+// ---------------------------------------------------------------------------------------------
+// kda_ring_delta_loop: the staged lean path (2-byte K-first pools, K = V = 128, ring decode)
+// run by fewer CTAs over runs of consecutive items, each item's loads issued while the CTA
+// computes the item before it. A ring decode item of kda_ring_delta waits on its own loads (the
+// plan's round trip, the pending rows, the tile) and then computes while the memory idles; the
+// items of a wave start together, so the waves do both in lockstep. Here a CTA issues item
+// t + 1's copies (its new token's rows, its pending rows and vectors, its tile) into the other
+// of two buffers before it computes item t, so they land while it computes. Consecutive items of
+// one sequence share its slot, bounds and plan (loaded once). Same operations as the staged
+// path, so the same bits as kda_ring_delta; an item the lean path does not take runs the general
+// item in its buffer (the other one may be filling).
+
+// Byte offsets of the loop kernel's dynamic shared memory (mirrored by `ring_plan` in
+// backend.rs): two item buffers of `buf` bytes (the new token's raw k, q and g rows, its
+// dt_bias (f32 [K]), the pending entries' delta vectors (f32 [V] each) and raw k and g rows, the
+// staged tile; at least the general item's bytes, `general`), then the computed item's
+// activated keys and decays (f32 [K] per entry) and two f32 rows [K] per warp.
+struct LoopLayout {
+    int buf, nk, nq, ng, nb, u, raw, st, ka, da, pw;
+    __device__ __forceinline__ LoopLayout(int ring_len, int general) {
+        nk = 0;
+        nq = RK;
+        ng = 2 * RK;
+        nb = 3 * RK;
+        u = nb + 4 * K;
+        raw = u + ring_len * 4 * V;
+        st = raw + ring_len * 2 * RK;
+        const int end = st + RT * 8 * TK;
+        buf = roundup(end > general ? end : general, 128);
+        ka = 2 * buf;
+        da = ka + ring_len * 4 * K;
+        pw = da + ring_len * 4 * K; // then (RT / 32) 2 4 K bytes: the end
+    }
+};
+
+// What the loop keeps of an issued item: its coordinates, its slot's record and plan, whether
+// the lean path takes it, and its scalars (loaded at issue, used at compute).
+struct LoopItem {
+    TileItem it;
+    Plan pl;
+    kda_u32 rlen, rpend, had;
+    bool lean;
+    float vraw, braw, alog;
+};
+
+// Issues item `item`'s loads into buffer b (prev: the item issued before it, whose sequence's
+// slot, bounds and record it reuses when they share it) and commits exactly two copy groups:
+// the rows, then the tile (empty where the lean path does not take the item).
+__device__ __forceinline__ void loop_issue(const KdaParams& p, kda_u32 item, unsigned char* b, const LoopLayout& Z,
+                                           const LoopItem* prev, LoopItem& li) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lk = lane / LV, lv = lane % LV;
+    TileItem& it = li.it;
+    it.item = item;
+    it.per_seq = p.hv * p.vblocks;
+    it.n = kda_div(item, p.div_seq);
+    const kda_u32 rem = item - it.n * it.per_seq;
+    it.hv = (int)kda_div(rem, p.div_vb);
+    it.cb = (int)(rem - (kda_u32)it.hv * p.vblocks) * RCW;
+    it.cwv = RCW;
+    it.h = (int)kda_div((kda_u32)it.hv, p.div_grp);
+    it.group = (int)(p.hv / p.h);
+    const bool same = prev != nullptr && prev->it.n == it.n;
+    if (same) {
+        it.slot = prev->it.slot;
+        it.bos = prev->it.bos;
+        it.nnew = prev->it.nnew;
+    } else {
+        it.slot = reinterpret_cast<const kda_u32*>(p.slots)[it.n];
+        it.bos = reinterpret_cast<const kda_u32*>(p.bounds)[it.n];
+        it.nnew = reinterpret_cast<const kda_u32*>(p.bounds)[it.n + 1] - it.bos;
+    }
+    it.meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)it.slot * 4;
+    li.alog = 0.0f;
+    if (p.gate_mode != 0u) li.alog = reinterpret_cast<const float*>(p.a_log)[it.hv];
+    li.lean = false;
+    if (it.nnew == 1u) {
+        if (same) {
+            li.rlen = prev->rlen;
+            li.rpend = prev->rpend;
+            li.had = prev->had;
+        } else {
+            kda_u32 rlen = 0u, rpend = 0u, had = 0u;
+            if (lane == 0) {
+                const volatile kda_u32* vm = it.meta;
+                rlen = vm[0];
+                rpend = vm[1];
+                had = vm[3];
+            }
+            li.rlen = KDA_SHFL(rlen, 0);
+            li.rpend = KDA_SHFL(rpend, 0);
+            li.had = KDA_SHFL(had, 0);
+        }
+        li.pl = plan_from(p, it.slot, 1u, li.rlen, li.rpend, 0u, reinterpret_cast<kda_u32*>(p.err),
+                          threadIdx.x == 0 && it.hv == 0 && it.cb == 0);
+        li.lean = min(li.had, li.pl.pend) == li.pl.pend;
+    }
+    const int col0l = warp * WC + lv * TV;
+    if (li.lean) {
+        const kda_u32 bos = it.bos;
+        const int hv = it.hv, h = it.h, pend = (int)li.pl.pend;
+        // the new token's rows (a warp each), then a warp per pending entry (its raw key and
+        // gate rows, its delta vector)
+        if (warp == 0) copy_row(b + Z.nk, reinterpret_cast<const IT*>(p.k) + ((size_t)bos * p.h + h) * K, RK, 16, lane);
+        if (warp == 1) copy_row(b + Z.nq, reinterpret_cast<const IT*>(p.q) + ((size_t)bos * p.h + h) * K, RK, 16, lane);
+        if (warp == 2)
+            copy_row(b + Z.ng, reinterpret_cast<const IT*>(p.g) + ((size_t)bos * p.hv + hv) * K, RK, 16, lane);
+        if (warp == 3 && p.gate_mode != 0u)
+            copy_row(b + Z.nb, reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, 4 * K, 16, lane);
+        const size_t entry = ring_entry_elems(p);
+        const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)it.slot * p.ring_len * entry;
+        const int gran = (int)p.ring_gran;
+        for (int j = warp; j < pend; j += RT / 32) {
+            const IT* e = ring + (size_t)j * entry;
+            unsigned char* raw = b + Z.raw + j * 2 * RK;
+            copy_row(raw, e + (size_t)h * K, K * (int)sizeof(IT), gran, lane);
+            copy_row(raw + RK, e + ring_off_g(p, hv), K * (int)sizeof(IT), gran, lane);
+            copy_row(b + Z.u + j * 4 * V, delta_row(p, it.slot, (kda_u32)j, hv, 0), 4 * V, 16, lane);
+        }
+        const int colm = col0l + (lk & 3);
+        li.vraw = kda_load(reinterpret_cast<const IT*>(p.v)[((size_t)bos * p.hv + hv) * V + colm]);
+        li.braw = kda_load(reinterpret_cast<const IT*>(p.beta)[(size_t)bos * p.hv + hv]);
+    }
+    cp_async_commit();
+    if (li.lean) stage_tile(b + Z.st, state_head(p, it.slot, (size_t)it.hv), lk, col0l);
+    cp_async_commit();
+}
+
+// Computes a lean item issued into buffer b (its rows landed and visible: the loop waited and
+// synchronised); the tile's group may still be in flight, with the next item's two groups after
+// it. ring_delta_decode<true>'s operations from the new token's activations on. (A template,
+// so only the modules that run it compile the staged helpers' conversions.)
+template <bool FITS>
+__device__ __forceinline__ void loop_compute(const KdaParams& p, const LoopItem& li, unsigned char* b,
+                                             unsigned char* dsm, const LoopLayout& Z, kda_u32& z_last) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lk = lane / LV, lv = lane % LV;
+    const TileItem& it = li.it;
+    const kda_u32 slot = it.slot, bos = it.bos;
+    const int hv = it.hv, h = it.h;
+    const Plan pl = li.pl;
+    const int pend = (int)pl.pend;
+    const bool gate = p.gate_mode != 0u;
+    const bool store = pl.store_after != KDA_NONE;
+    const float a_exp = gate ? expf(li.alog) : 0.0f;
+    float kt[KR], qt[KR], gt[KR], bias[KR];
+    split_load(reinterpret_cast<const IT*>(b + Z.nk), lane, kt);
+    split_load(reinterpret_cast<const IT*>(b + Z.nq), lane, qt);
+    split_load(reinterpret_cast<const IT*>(b + Z.ng), lane, gt);
+    if (gate) {
+        split_from(reinterpret_cast<const float*>(b + Z.nb), lane, bias);
+    } else {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) bias[i] = 0.0f;
+    }
+    const int mc = lk & 3, col0l = warp * WC + lv * TV, colm = col0l + mc;
+    const bool isq = lk >= 4;
+    const float vraw = li.vraw, braw = li.braw;
+    ST* head = state_head(p, slot, (size_t)hv);
+    const unsigned char* st = b + Z.st;
+    // the new token's activations, in every warp
+    const bool l2 = p.l2norm != 0u;
+    split_l2(kt, l2);
+    split_l2(qt, l2);
+    float dt[KR];
+#pragma unroll
+    for (int i = 0; i < KR; ++i) {
+        qt[i] *= p.scale;
+        dt[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
+    }
+    const float bt = act_beta(braw, p);
+    // the warp's pending entries activated, split, into shared memory
+    float* ka = reinterpret_cast<float*>(dsm + Z.ka);
+    float* da = reinterpret_cast<float*>(dsm + Z.da);
+    for (int j = warp; j < pend; j += RT / 32) {
+        const unsigned char* raw = b + Z.raw + j * 2 * RK;
+        float x[KR], g[KR];
+        split_load(reinterpret_cast<const IT*>(raw), lane, x);
+        split_load(reinterpret_cast<const IT*>(raw + RK), lane, g);
+        split_l2(x, l2);
+#pragma unroll
+        for (int i = 0; i < KR; ++i) g[i] = decay_at<sizeof(ST) == 2>(g[i], &bias[i], p, a_exp);
+        split_store(ka + j * K, lane, x);
+        split_store(da + j * K, lane, g);
+    }
+    __syncthreads();
+    const kda_u32 old = tile_arrive(it.meta);
+    const float* ua = reinterpret_cast<const float*>(b + Z.u);
+    float* pk = reinterpret_cast<float*>(dsm + Z.pw) + warp * 2 * K;
+    float* pq = pk + K;
+    float rr[KR], corr = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) rr[i] = dt[i];
+    if (!store) {
+        for (int j0 = pend - 1; j0 >= 0; j0 -= 4) {
+            float ps[8];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                float c = 0.0f, e = 0.0f;
+                if (j0 - m >= 0) {
+                    float kj[KR], dj[KR];
+                    split_from(ka + (j0 - m) * K, lane, kj);
+                    split_from(da + (j0 - m) * K, lane, dj);
+#pragma unroll
+                    for (int i = 0; i < KR; ++i) {
+                        const float x = rr[i] * kj[i];
+                        c = fmaf(kt[i], x, c);
+                        e = fmaf(qt[i], x, e);
+                        rr[i] *= dj[i];
+                    }
+                }
+                ps[2 * m] = c;
+                ps[2 * m + 1] = e;
+            }
+            const float sum = pair_sums(ps, lane);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float ce = KDA_SHFL(sum, 8 * m + (isq ? 4 : 0));
+                if (j0 - m >= 0) corr = fmaf(ce, ua[(j0 - m) * V + colm], corr);
+            }
+        }
+    }
+    float qk = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) qk = fmaf(qt[i], kt[i], qk);
+    qk = warp_sum(qk);
+    float x[KR];
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = rr[i] * kt[i];
+    __syncwarp();
+    split_store(pk, lane, x);
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = rr[i] * qt[i];
+    split_store(pq, lane, x);
+    __syncwarp();
+    float ak[TV], aq[TV];
+#pragma unroll
+    for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
+    // the lane's own staged rows (no barrier; the next item's two groups after them)
+    cp_async_wait<2>();
+    if (store && pend > 0) {
+        staged_commit(st, head, lk, col0l, pend, ka, da, ua, pk, pq, ak, aq);
+    } else {
+        staged_products(st, pk, pq, lk, ak, aq);
+    }
+    const float a = scatter_sums(ak, aq, lk) + corr;
+    const float u = bt * (vraw - a);
+    const float uq = KDA_SHFL_XOR(u, 4 * LV);
+    if (!isq) {
+        if (pl.append_at != KDA_NONE) delta_row(p, slot, pl.append_at, hv, colm)[0] = u;
+    } else {
+        reinterpret_cast<IT*>(p.out)[((size_t)bos * p.hv + hv) * V + colm] = KdaElem<IT>::from_f32(fmaf(qk, uq, a));
+    }
+    if (!store && pl.append_at != KDA_NONE) {
+        const size_t entry = ring_entry_elems(p);
+        IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + pl.append_at) * entry;
+        if (!isq) e[ring_off_v(p, hv) + colm] = KdaElem<IT>::from_f32(vraw);
+        if (warp == 0 && hv == h * it.group) {
+            float r[KR];
+            split_load(reinterpret_cast<const IT*>(b + Z.nk), lane, r);
+            split_store_raw(e + (size_t)h * K + KR * lane, r);
+        } else if (warp == 1) {
+            float r[KR];
+            split_load(reinterpret_cast<const IT*>(b + Z.ng), lane, r);
+            split_store_raw(e + ring_off_g(p, hv) + KR * lane, r);
+        } else if (warp == 2 && lane == 0) {
+            e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(braw);
+        }
+    }
+    tile_settle(p, pl, old, it.per_seq, store, it.meta, slot, bos, 1u, z_last, pl.new_len);
+}
+
+// The general item (any number of new tokens, the long path): item `item`, its dynamic shared
+// memory from dsm.
+__device__ __forceinline__ void ring_delta_item_at(const KdaParams& p, kda_u32 item, unsigned char* dsm) {
     __shared__ Plan s_plan;
     __shared__ float s_aexp;
     __shared__ kda_u32 s_last, s_cached;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
-    TileItem it = tile_item_begin(p);
+    TileItem it = tile_item_begin(p, item);
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const DeltaLayout D(L, (int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
@@ -845,6 +1117,10 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
     const kda_u32 cached = work ? pl.new_len : min(s_cached, pl.new_len);
     tile_settle(p, pl, old, per_seq, store, meta, slot, bos, nnew, s_last, cached);
 }
+__device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
+    extern __shared__ __align__(16) unsigned char dsm[];
+    ring_delta_item_at(p, blockIdx.x, dsm);
+}
 
 } // namespace kda
 
@@ -877,4 +1153,74 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring_delta_staged(c
     using namespace kda;
     if (p.op == KDA_OP_DECODE && staged_decode<STAGE_FITS>(p)) return;
     ring_delta_item_far(p);
+}
+
+namespace kda {
+// The general item out of line for the loop kernel (its registers apart from the lean path's).
+__device__ __noinline__ void ring_delta_item_far_at(const KdaParams p, kda_u32 item, unsigned char* dsm) {
+    ring_delta_item_at(p, item, dsm);
+}
+// The loop over the CTA's run of items where it fits (a template, so other modules never
+// instantiate it): items first .. last - 1, gridDim.x runs of ceil(items / gridDim.x).
+template <bool FITS> __device__ __forceinline__ void delta_loop(const KdaParams& p) {
+    if constexpr (FITS) {
+        extern __shared__ __align__(16) unsigned char dsm[];
+        __shared__ kda_u32 z_last;
+        const kda_u32 total = p.n_seqs * p.hv * p.vblocks;
+        const kda_u32 per = (total + gridDim.x - 1) / gridDim.x;
+        const kda_u32 first = blockIdx.x * per, last = min(first + per, total);
+        const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
+        const DeltaLayout D(L, (int)p.ring_mt, (int)p.ring_mq);
+        const LoopLayout Z((int)p.ring_len, D.qk + round16(4 * (int)p.ring_mq));
+#if KDA_GRID_DEPENDENCY
+        // every CTA can start before the previous grid ends: the first item's tile and ring
+        // rows into L2 before the wait (the slot is the host's)
+        if (p.early != 0u && first < last) {
+            const kda_u32 n = kda_div(first, p.div_seq), rem = first - n * p.hv * p.vblocks;
+            const int hv = (int)kda_div(rem, p.div_vb);
+            const int cb = (int)(rem - (kda_u32)hv * p.vblocks) * RCW;
+            const kda_u32 slot = early_slot(p, n);
+            prefetch_tile(state_head(p, slot, hv), cb, RCW);
+            prefetch_ring_rows(p, slot, (int)kda_div((kda_u32)hv, p.div_grp), hv, cb, RCW);
+        }
+#endif
+        KDA_DEPENDENT_LAUNCH();
+        if (first >= last) return;
+        LoopItem cur, nxt;
+        loop_issue(p, first, dsm, Z, nullptr, cur);
+        for (kda_u32 t = first; t < last; ++t) {
+            unsigned char* bc = dsm + ((t - first) & 1u) * Z.buf;
+            unsigned char* bn = dsm + ((t - first + 1u) & 1u) * Z.buf;
+            if (t + 1u < last) {
+                loop_issue(p, t + 1u, bn, Z, &cur, nxt);
+            } else {
+                cp_async_commit();
+                cp_async_commit();
+            }
+            // item t's rows (three groups after them: its tile, the next item's two), visible
+            cp_async_wait<3>();
+            __syncthreads();
+            if (cur.lean) {
+                loop_compute<FITS>(p, cur, bc, dsm, Z, z_last);
+            } else {
+                ring_delta_item_far_at(p, t, bc);
+            }
+            // buffer bc is free again
+            __syncthreads();
+            cur = nxt;
+        }
+    }
+}
+} // namespace kda
+
+// Ring decode of 2-byte K-first pools with K = V = 128 (asked for): runs of consecutive items
+// per CTA, each item's loads issued while the item before it computes (delta_loop).
+extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta_loop(const KdaParams p) {
+    using namespace kda;
+    if (p.op == KDA_OP_DECODE) {
+        delta_loop<STAGE_FITS>(p);
+    } else {
+        extern __shared__ __align__(16) unsigned char dsm[];
+        ring_delta_item_far_at(p, blockIdx.x, dsm);
+    }
 }
