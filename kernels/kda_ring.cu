@@ -656,10 +656,9 @@ struct TileItem {
 // The item's coordinates, slot and new tokens (the host's: read before the wait, early_u32), a
 // dependent launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host
 // checked); CTAS: the kernel's CTAs per SM (its launch bounds).
-template <bool WHOLE = false, int CTAS = 2>
-__device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p, kda_u32 item = blockIdx.x) {
+template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem tile_item_begin(const KdaParams& p) {
     TileItem it;
-    it.item = item;
+    it.item = blockIdx.x;
     it.per_seq = p.hv * p.vblocks;
     it.n = kda_div(it.item, p.div_seq);
     const kda_u32 rem = it.item - it.n * it.per_seq;

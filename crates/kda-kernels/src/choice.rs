@@ -69,11 +69,6 @@ pub enum RingKernel {
     /// two. Same bits as `Delta`. The default for such calls from 2048 items (value heads x
     /// column blocks) on pools with a delta plane; other calls forced to it run `Step`.
     DeltaStaged,
-    /// `kda_ring_delta_loop`: `DeltaStaged`'s lean path run by fewer CTAs over runs of
-    /// consecutive items, each item's copies issued into a second buffer while the CTA computes
-    /// the item before it. Ring decode of 2-byte K-first pools with K = V = 128 on pools with a
-    /// delta plane; same bits as `Delta`. Other calls forced to it run `Step`.
-    DeltaLoop,
     /// The general kernel of every operation, one q/k head with its value heads per CTA
     /// (`kda_step`).
     Step,

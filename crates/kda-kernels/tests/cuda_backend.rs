@@ -956,73 +956,46 @@ fn cuda_staged_delta_kernel_equals_the_delta_kernel_bit_for_bit() {
                 ring_deltas: true,
                 ..gva_case(state, ring_len)
             };
-            check_delta_twins(&cu, &c, RingKernel::DeltaStaged, 131 + ring_len as u64);
-        }
-    }
-    cu.set_ring_kernel(None).expect("ring kernel");
-}
-
-/// `kda_ring_delta_loop` (runs of items per CTA, each item's copies issued while the one
-/// before it computes) against `kda_ring_delta`, as the staged kernel above, on 160 sequences
-/// (640 items: runs of several items per CTA on any GPU of up to 213 SMs, across sequences)
-/// and on 5 (one item per CTA).
-#[test]
-fn cuda_loop_delta_kernel_equals_the_delta_kernel_bit_for_bit() {
-    let Some(cu) = cuda() else { return };
-    for (state, ring_len, n) in [
-        (Dtype::Fp16, 8, 160),
-        (Dtype::Bf16, 4, 160),
-        (Dtype::Bf16, 8, 5),
-    ] {
-        let slots: Vec<u32> = (0..n as u32).map(|i| 2 * i + 1).collect();
-        let c = Case {
-            ring_deltas: true,
-            ..gva_case(state, ring_len).with_seqs(&vec![1; n], &slots)
-        };
-        check_delta_twins(&cu, &c, RingKernel::DeltaLoop, 171 + ring_len as u64);
-    }
-    cu.set_ring_kernel(None).expect("ring kernel");
-}
-
-/// Twin layers of `case` decoded by `kernel` and by `kda_ring_delta`: 3 ring lengths and 2
-/// decodes, the one after the first commit on `kda_step`; equal bits after every call.
-fn check_delta_twins(cu: &CudaBackend, c: &Case, kernel: RingKernel, seed: u64) {
-    let ring_len = c.ring_len;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let (mut first, mut delta) = twin_layers(cu, c, c, &mut rng);
-    let dims = c.dims();
-    let n = c.slots.len();
-    let params = HostInputs::random(&mut rng, dims, 0, &c.opts, c.input_dtype);
-    let bounds: Vec<usize> = (0..=n).collect();
-    for step in 0..3 * ring_len + 2 {
-        let inputs = HostInputs::random(&mut rng, dims, n, &c.opts, c.input_dtype)
-            .with_gate_params(&params.a_log, &params.dt_bias);
-        let on_step = step == ring_len + 1;
-        let mut outs = Vec::new();
-        for (layer, k) in [(&mut first, kernel), (&mut delta, RingKernel::Delta)] {
-            let k = if on_step { RingKernel::Step } else { k };
-            cu.set_ring_kernel(Some(k)).expect("ring kernel");
-            outs.push(
-                run_tokens(
-                    cu,
-                    layer,
-                    TokenOp::Decode,
-                    &bounds,
-                    &c.slots,
-                    &inputs,
-                    &c.opts,
-                )
-                .expect("decode"),
+            let mut rng = StdRng::seed_from_u64(131 + ring_len as u64);
+            let (mut staged, mut delta) = twin_layers(&cu, &c, &c, &mut rng);
+            let dims = c.dims();
+            let n = c.slots.len();
+            let params = HostInputs::random(&mut rng, dims, 0, &c.opts, c.input_dtype);
+            let bounds: Vec<usize> = (0..=n).collect();
+            for step in 0..3 * ring_len + 2 {
+                let inputs = HostInputs::random(&mut rng, dims, n, &c.opts, c.input_dtype)
+                    .with_gate_params(&params.a_log, &params.dt_bias);
+                let on_step = step == ring_len + 1;
+                let mut outs = Vec::new();
+                for (layer, kernel) in [
+                    (&mut staged, RingKernel::DeltaStaged),
+                    (&mut delta, RingKernel::Delta),
+                ] {
+                    let kernel = if on_step { RingKernel::Step } else { kernel };
+                    cu.set_ring_kernel(Some(kernel)).expect("ring kernel");
+                    outs.push(
+                        run_tokens(
+                            &cu,
+                            layer,
+                            TokenOp::Decode,
+                            &bounds,
+                            &c.slots,
+                            &inputs,
+                            &c.opts,
+                        )
+                        .expect("decode"),
+                    );
+                }
+                assert_bits_eq(&outs[0], &outs[1], &format!("step {step} outputs"));
+                assert_twins_agree(&cu, step, &c.slots, &staged, &delta);
+            }
+            eprintln!(
+                "{state} ring {ring_len}: {} decodes, equal bits",
+                3 * ring_len + 2
             );
         }
-        assert_bits_eq(&outs[0], &outs[1], &format!("step {step} outputs"));
-        assert_twins_agree(cu, step, &c.slots, &first, &delta);
     }
-    eprintln!(
-        "{} ring {ring_len}, {n} sequences, {kernel:?}: {} decodes, equal bits",
-        c.state_dtype,
-        3 * ring_len + 2
-    );
+    cu.set_ring_kernel(None).expect("ring kernel");
 }
 
 #[test]

@@ -569,11 +569,9 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         || mt > RING_MAX_TOKENS
         || (kernel == RingKernel::Mma
             && (s.k != MMA_ITEM || cw != MMA_ITEM || !s.v.is_multiple_of(MMA_ITEM)))
-        || (matches!(
-            kernel,
-            RingKernel::Delta | RingKernel::DeltaStaged | RingKernel::DeltaLoop
-        ) && (!s.deltas || !s.v.is_multiple_of(4)))
-        || (matches!(kernel, RingKernel::DeltaStaged | RingKernel::DeltaLoop) && !staged_fits(s))
+        || (matches!(kernel, RingKernel::Delta | RingKernel::DeltaStaged)
+            && (!s.deltas || !s.v.is_multiple_of(4)))
+        || (kernel == RingKernel::DeltaStaged && !staged_fits(s))
     {
         return None;
     }
@@ -593,7 +591,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     let rows = mt * tokb + mq * r16(s.k * isz) + r16(s.k * 4);
     let smem = match kernel {
         RingKernel::Tile => rows + 4 * ((2 * mt + mq) * ks + mt * cw) + r16(4 * mt),
-        RingKernel::Delta | RingKernel::DeltaStaged | RingKernel::DeltaLoop => {
+        RingKernel::Delta | RingKernel::DeltaStaged => {
             // Tile's, then the delta vectors by token, a block of R k rows per new token (one at
             // least: a commit's), P k and P q per new token, P, the pair sums and q . k
             let floats = mt * cw + mq.max(1) * mt * ks + 2 * mq * ks + ks + 2 * mq * mt;
@@ -614,20 +612,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
             } else {
                 0
             };
-            // kda_ring_delta_loop (`LoopLayout`): two item buffers (the new token's k, q and g
-            // rows and dt_bias, the pending entries' vectors and raw rows, the staged tile; at
-            // least the general item's bytes), then the activated keys and decays and the warps'
-            // rows
-            if kernel == RingKernel::DeltaLoop {
-                let end = 3 * r16(s.k * isz)
-                    + 4 * s.k
-                    + s.ring_len * (4 * s.v + 2 * r16(s.k * isz))
-                    + RING_THREADS * 8 * (s.k / 8);
-                let buf = end.max(general).next_multiple_of(128);
-                2 * buf + s.ring_len * 8 * s.k + (RING_THREADS / 32) * 2 * 4 * s.k
-            } else {
-                general.max(lean).max(staged)
-            }
+            general.max(lean).max(staged)
         }
         RingKernel::Mma => {
             // keys and queries, decays (rows of K + 4 floats); the pair matrices, betas, P; the
@@ -1239,12 +1224,6 @@ impl CudaBackend {
                 let (f, name) = eager_kernel(&self.ctx, key, pl.stage_store)?;
                 let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
                 (f, name, pl.smem, Some(grid))
-            }
-            (None, Some(rp)) if rp.kernel == RingKernel::DeltaLoop => {
-                // runs of items per CTA: as many CTAs as fit at once
-                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
-                let grid = self.persistent_grid(&f, name, RING_THREADS, rp.smem)?;
-                (f, name, rp.smem, Some(grid))
             }
             (None, Some(rp)) if rp.kernel != RingKernel::Pipelined => {
                 let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
@@ -2199,36 +2178,6 @@ mod tests {
         s.deltas = true;
         let p = ring_plan(&s, RingKernel::DeltaStaged).expect("ring 8");
         assert!(3 * (p.smem + 1024 + 48) <= 228 * 1024, "{} bytes", p.smem);
-    }
-
-    #[test]
-    fn loop_delta_plan_holds_two_item_buffers_and_fits_two_ctas_per_sm() {
-        // `LoopLayout` of kernels/kda_ring_delta.cu at K = V = 128, bf16 inputs: per buffer the
-        // new token's k, q and g rows, its dt_bias, per pending entry a delta vector and raw k
-        // and g rows, the staged tile (at least the general item's bytes), 128-byte rounded;
-        // then the activated keys and decays per entry and two f32 rows per warp
-        for ring_len in 1..=RING_MAX_TOKENS - 1 {
-            let mut s = ring_shape(2, ring_len, 1);
-            (s.deltas, s.decode) = (true, true);
-            let end = 3 * 256 + 512 + ring_len * (512 + 2 * 256) + 256 * 16 * 8;
-            let general = ring_plan(&s, RingKernel::Delta).expect("decode fits").smem;
-            let buf = end.max(general).next_multiple_of(128);
-            let want = 2 * buf + ring_len * 2 * 512 + 8 * 2 * 512;
-            let p = ring_plan(&s, RingKernel::DeltaLoop).expect("decode fits");
-            assert!(p.smem >= want, "ring {ring_len}: {} < {want}", p.smem);
-        }
-        let fits = |state_size: usize, v_first: bool, decode: bool| {
-            let mut s = ring_shape(state_size, 8, 1);
-            (s.deltas, s.v_first, s.decode) = (true, v_first, decode);
-            ring_plan(&s, RingKernel::DeltaLoop)
-        };
-        assert!(fits(4, false, true).is_none(), "fp32");
-        assert!(fits(2, true, true).is_none(), "V-first");
-        assert!(fits(2, false, false).is_none(), "spec_verify");
-        // two CTAs per SM at ring 8 (its launch bounds): 228 KB per SM, 1 KB reserved per CTA,
-        // 48 bytes of static shared memory
-        let p = fits(2, false, true).expect("ring 8");
-        assert!(2 * (p.smem + 1024 + 48) <= 228 * 1024, "{} bytes", p.smem);
     }
 
     #[test]

@@ -65,7 +65,6 @@ enum Key {
     RingMma(StepKey),
     RingDelta(StepKey),
     RingDeltaStaged(StepKey),
-    RingDeltaLoop(StepKey),
     Fill,
     Copy,
 }
@@ -88,7 +87,6 @@ impl Key {
             Key::RingMma(_) => "kda_ring_mma",
             Key::RingDelta(_) => "kda_ring_delta",
             Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
-            Key::RingDeltaLoop(_) => "kda_ring_delta_loop",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -110,14 +108,13 @@ impl Key {
             | Key::RingTile(k)
             | Key::RingMma(k)
             | Key::RingDelta(k)
-            | Key::RingDeltaStaged(k)
-            | Key::RingDeltaLoop(k) => ModuleKey::Step(k),
+            | Key::RingDeltaStaged(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (fifteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (fourteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -126,7 +123,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 15] {
+fn step_module(k: StepKey) -> [Key; 14] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -142,7 +139,6 @@ fn step_module(k: StepKey) -> [Key; 15] {
         Key::RingMma(k),
         Key::RingDelta(k),
         Key::RingDeltaStaged(k),
-        Key::RingDeltaLoop(k),
     ]
 }
 
@@ -299,11 +295,10 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
             .collect(),
     );
     for (key, f) in fs.iter() {
-        // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit,
-        // kda_eager_bulk_pipe for as many buffers, kda_ring_delta_loop for two CTAs of two item
-        // buffers each: all of the SM's shared memory, not the L1 the driver might keep (set
-        // once, at load)
-        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) | Key::RingDeltaLoop(_) = key {
+        // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit, and
+        // kda_eager_bulk_pipe for as many buffers: all of the SM's shared memory, not the L1
+        // the driver might keep (set once, at load)
+        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) = key {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                 100,
@@ -396,8 +391,7 @@ pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFu
 
 /// A one-item-per-CTA ring kernel specialised on `key` (same module as `kda_step`), compiled on
 /// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], `kda_ring_delta` for
-/// [`RingKernel::Delta`], `kda_ring_delta_staged` for [`RingKernel::DeltaStaged`],
-/// `kda_ring_delta_loop` for [`RingKernel::DeltaLoop`], else
+/// [`RingKernel::Delta`], `kda_ring_delta_staged` for [`RingKernel::DeltaStaged`], else
 /// `kda_ring_tile`.
 pub(crate) fn ring_tile_kernel(
     ctx: &Arc<CudaContext>,
@@ -407,7 +401,6 @@ pub(crate) fn ring_tile_kernel(
     let k = match kernel {
         RingKernel::Mma => Key::RingMma(key),
         RingKernel::DeltaStaged => Key::RingDeltaStaged(key),
-        RingKernel::DeltaLoop => Key::RingDeltaLoop(key),
         RingKernel::Delta => Key::RingDelta(key),
         _ => Key::RingTile(key),
     };
@@ -487,8 +480,7 @@ mod tests {
                 "kda_ring_tile",
                 "kda_ring_mma",
                 "kda_ring_delta",
-                "kda_ring_delta_staged",
-                "kda_ring_delta_loop"
+                "kda_ring_delta_staged"
             ]
         );
     }
