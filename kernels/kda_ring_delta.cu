@@ -32,7 +32,9 @@
 // keeping the tile in shared memory (twenty-sixth) were slower. The lean path with its tile in
 // shared memory (kda_ring_delta_staged, below) was 3-7% faster for 2-byte ring decode calls of
 // 3072-8192 items and up to 9% slower for small ones (thirty-sixth session): the default from
-// 2048 items.
+// 2048 items. At four CTAs per SM (64 registers, spills on the item's chain) it was 35-60%
+// slower, and runs of items per CTA with each item's copies issued while the item before it
+// computed (kda_ring_delta_loop, in the history as 561687c) 35-63% slower (thirty-seventh).
 #include "kda_ring.cu"
 
 namespace kda {
