@@ -848,130 +848,12 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
     tile_settle(p, pl, old, per_seq, store, meta, slot, bos, nnew, s_last, cached);
 }
 
-// PROBE (measurement only): the lean decode item with its per-head fixed work (new token's and
-// pending entries' activations, pending copies, pair sums) replaced by one dependent load of a
-// 2 KB "prep" record per head (here four delta rows: garbage values), as a split design's main
-// kernel would run. Outputs wrong.
-template <int CTAS>
-__device__ __forceinline__ bool ring_delta_probe(const KdaParams& p) {
-    extern __shared__ __align__(16) unsigned char dsm[];
-    __shared__ kda_u32 z_last;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int lk = lane / LV, lv = lane % LV;
-    TileItem it = tile_item_begin<false, CTAS>(p);
-    if (it.nnew != 1u) return false;
-    const kda_u32 slot = it.slot, bos = it.bos;
-    const int hv = it.hv, h = it.h;
-    it.meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
-    kda_u32 rlen = 0u, rpend = 0u, had = 0u;
-    if (lane == 0) {
-        const volatile kda_u32* vm = it.meta;
-        rlen = vm[0];
-        rpend = vm[1];
-        had = vm[3];
-    }
-    ST* head = state_head(p, slot, (size_t)hv);
-    float s[TK][TV];
-    kda_u32 w[TW];
-    const int mc = lk & 3, col0l = warp * WC + lv * TV, colm = col0l + mc;
-    const bool isq = lk >= 4;
-    const float vraw = kda_load(reinterpret_cast<const IT*>(p.v)[((size_t)bos * p.hv + hv) * V + colm]);
-    rlen = KDA_SHFL(rlen, 0);
-    rpend = KDA_SHFL(rpend, 0);
-    had = KDA_SHFL(had, 0);
-    const Plan pl = plan_from(p, slot, 1u, rlen, rpend, 0u, reinterpret_cast<kda_u32*>(p.err),
-                              threadIdx.x == 0 && hv == 0 && it.cb == 0);
-    const int pend = (int)pl.pend;
-    if (min(had, (kda_u32)pend) != (kda_u32)pend) return false;
-    const bool store = pl.store_after != KDA_NONE;
-    tile_load_lane(head, lk, col0l, w, s);
-    // the prep record: P k, P q (split), the corrections, q . k, beta
-    const float* prep = delta_row(p, slot, 0u, hv, 0);
-    const float4 pk4 = *reinterpret_cast<const float4*>(prep + 4 * lane);
-    const float4 pq4 = *reinterpret_cast<const float4*>(prep + V + 4 * lane);
-    const float corr = prep[2 * V + (isq ? V : 0) + colm];
-    const float qk = prep[4 * V - 2], bt = prep[4 * V - 1];
-    const kda_u32 old = tile_arrive(it.meta);
-    const LeanLayout Z((int)p.ring_len);
-    float* pk = reinterpret_cast<float*>(dsm + Z.pw) + warp * 2 * K;
-    float* pq = pk + K;
-    const float* ka = reinterpret_cast<const float*>(dsm + Z.ka);
-    const float* da = reinterpret_cast<const float*>(dsm + Z.da);
-    const float* ua = reinterpret_cast<const float*>(dsm + Z.u);
-    const kda_u32 elem0 = (kda_u32)hv * (kda_u32)(K * V);
-    if constexpr (TILE_WORDS) tile_from_words(w, s);
-    if (store && pend > 0) {
-        // (a split design's commit: P, the R k rows and the delta vectors from its record)
-        float pr[KR], rk[KR];
-#pragma unroll
-        for (int i = 0; i < KR; ++i) pr[i] = rk[i] = 1.0f;
-        for (int j = 0; j < pend; ++j) {
-            float dj[KR];
-            split_from(da + j * K, lane, dj);
-#pragma unroll
-            for (int i = 0; i < KR; ++i) pr[i] *= dj[i];
-        }
-        split_store(pk, lane, pr);
-        __syncwarp();
-        tile_scale_rows(s, pk, lk);
-        for (int j = pend - 1; j >= 0; --j) {
-            float kj[KR], dj[KR], ek[KR];
-            split_from(ka + j * K, lane, kj);
-            split_from(da + j * K, lane, dj);
-#pragma unroll
-            for (int i = 0; i < KR; ++i) {
-                ek[i] = rk[i] * kj[i];
-                rk[i] *= dj[i];
-            }
-            __syncwarp();
-            split_store(pk, lane, ek);
-            __syncwarp();
-            tile_add_outer(s, pk, ua + j * V + col0l, lk);
-        }
-        store_tile<false, true>(head, lk, col0l, s, 0u, elem0);
-    }
-    __syncwarp();
-    *reinterpret_cast<float4*>(pk + 4 * lane) = pk4;
-    *reinterpret_cast<float4*>(pq + 4 * lane) = pq4;
-    __syncwarp();
-    float ak[TV], aq[TV];
-#pragma unroll
-    for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
-    tile_products(s, pk, pq, lk, ak, aq);
-    const float a = scatter_sums(ak, aq, lk) + corr;
-    const float u = bt * (vraw - a);
-    const float uq = KDA_SHFL_XOR(u, 4 * LV);
-    if (!isq) {
-        if (pl.append_at != KDA_NONE) delta_row(p, slot, pl.append_at, hv, colm)[0] = u;
-    } else {
-        reinterpret_cast<IT*>(p.out)[((size_t)bos * p.hv + hv) * V + colm] = KdaElem<IT>::from_f32(fmaf(qk, uq, a));
-    }
-    if (!store && pl.append_at != KDA_NONE) {
-        const size_t entry = ring_entry_elems(p);
-        IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + pl.append_at) * entry;
-        if (!isq) e[ring_off_v(p, hv) + colm] = KdaElem<IT>::from_f32(vraw);
-        if (warp == 0 && hv == h * it.group) {
-            float r[KR];
-            split_load(reinterpret_cast<const IT*>(p.k) + ((size_t)bos * p.h + h) * K, lane, r);
-            split_store_raw(e + (size_t)h * K + KR * lane, r);
-        } else if (warp == 1) {
-            float r[KR];
-            split_load(reinterpret_cast<const IT*>(p.g) + ((size_t)bos * p.hv + hv) * K, lane, r);
-            split_store_raw(e + ring_off_g(p, hv) + KR * lane, r);
-        } else if (warp == 2 && lane == 0) {
-            e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(bt);
-        }
-    }
-    tile_settle(p, pl, old, it.per_seq, store, it.meta, slot, bos, 1u, z_last, pl.new_len);
-    return true;
-}
-
 } // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
     using namespace kda;
     if constexpr (LEAN_FITS) {
-        if (p.op == KDA_OP_DECODE && ring_delta_probe<2>(p)) return;
+        if (p.op == KDA_OP_DECODE && ring_delta_decode<false>(p)) return;
     }
     ring_delta_item(p);
 }
@@ -983,7 +865,7 @@ __device__ __noinline__ void ring_delta_item_far(const KdaParams p) { ring_delta
 // The staged lean path where it fits (a template, so other modules never instantiate it).
 template <bool FITS> __device__ __forceinline__ bool staged_decode(const KdaParams& p) {
     if constexpr (FITS) {
-        return ring_delta_probe<2>(p);
+        return ring_delta_decode<true>(p);
     } else {
         return false;
     }
