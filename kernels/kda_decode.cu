@@ -2059,9 +2059,12 @@ __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* ds
         const kda_u32 s = reinterpret_cast<const kda_u32*>(buf + L.scal)[2];
         ST* const head = state_head(p, s, hv);
         const ST* const tile = reinterpret_cast<const ST*>(buf);
-        // PROBE: no stores (a read-only pipe)
-        (void)head;
-        (void)tile;
+        if constexpr (VFIRST) {
+            if (lane == 0) bulk_out(head, tile, (kda_u32)(K * V) * sizeof(ST));
+        } else {
+            for (int r = lane * TK; r < K; r += 32 * TK)
+                bulk_out(head + (size_t)r * V, tile + bulk_row(r, V), (kda_u32)(cmin(TK, K - r) * V) * sizeof(ST));
+        }
         bulk_out_done();
         KDA_SYNCWARP();
         if (lane == 0) mbar_arrive(&empty[bi]);
