@@ -35,6 +35,10 @@
 // 2048 items. At four CTAs per SM (64 registers, spills on the item's chain) it was 35-60%
 // slower, and runs of items per CTA with each item's copies issued while the item before it
 // computed (kda_ring_delta_loop, in the history as 561687c) 35-63% slower (thirty-seventh).
+// Without its fixed work at all (a probe) an item of this kernel would still make 2-byte ring
+// decode only 1.03-1.09x as fast as eager decode, while the eager bulk pipe with no stores and
+// its step cut to these two products ran 1.8-2.1x as fast (thirty-eighth session): the route
+// left is that pipe with each item's fixed work prepared by warps of their own.
 #include "kda_ring.cu"
 
 namespace kda {
