@@ -2059,9 +2059,12 @@ __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* ds
         const kda_u32 s = reinterpret_cast<const kda_u32*>(buf + L.scal)[2];
         ST* const head = state_head(p, s, hv);
         const ST* const tile = reinterpret_cast<const ST*>(buf);
-        // PROBE: no stores (a read-only pipe)
-        (void)head;
-        (void)tile;
+        if constexpr (VFIRST) {
+            if (lane == 0) bulk_out(head, tile, (kda_u32)(K * V) * sizeof(ST));
+        } else {
+            for (int r = lane * TK; r < K; r += 32 * TK)
+                bulk_out(head + (size_t)r * V, tile + bulk_row(r, V), (kda_u32)(cmin(TK, K - r) * V) * sizeof(ST));
+        }
         bulk_out_done();
         KDA_SYNCWARP();
         if (lane == 0) mbar_arrive(&empty[bi]);
@@ -2109,25 +2112,11 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
         ST* const bl = reinterpret_cast<ST*>(buf) + (VFIRST ? 0 : lk * WC);
         const kda_u32 elem0 = tile_elem0<true>(hv, 0);
         float o[TV];
-        // PROBE: a ring item's step only, two products with the tile (read once), no write-back
-        (void)seed;
-        (void)elem0;
-        {
-            float pk_[TV], pq_[TV];
-#pragma unroll
-            for (int c = 0; c < TV; ++c) pk_[c] = pq_[c] = 0.0f;
-            for_each_piece(bl, lk, bcol, V, [&](int i, const TilePiece& t, float (&x)[PE]) {
-#pragma unroll
-                for (int e = 0; e < PE; ++e) {
-                    const int r = piece_row(t, e), c = piece_c(i, e);
-                    pk_[c] = fmaf(ak[r], x[e], pk_[c]);
-                    pq_[c] = fmaf(aq[r], x[e], pq_[c]);
-                }
-            });
-            reduce_k(pk_);
-            reduce_k(pq_);
-#pragma unroll
-            for (int c = 0; c < TV; ++c) o[c] = fmaf(abeta, (c < V - col0l ? av[col0l + c] : 0.0f) - pk_[c], pq_[c]);
+        if (p.sr) {
+            token_step_stream<true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
+                                    kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0);
+        } else {
+            token_step_stream<false>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o, 0u, elem0);
         }
         if (lk == 0 && col0l < V) store_out(reinterpret_cast<IT*>(p.out) + ((size_t)n * p.hv + hv) * V + col0l, o, col0l);
         bulk_fence();

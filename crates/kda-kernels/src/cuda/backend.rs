@@ -294,7 +294,7 @@ const PIPE_ALIGN: usize = 128;
 /// Step groups of 8 warps per `kda_eager_bulk_pipe` CTA (`PIPE_MAX_GROUPS` in
 /// `kernels/kda_decode.cu`): with one the step was the bottleneck (H200: 3 us a 2-byte head),
 /// three of them keep up with the loads (thirty-first session).
-const PIPE_GROUPS: usize = 2;
+const PIPE_GROUPS: usize = 3;
 
 /// Threads of a `kda_eager_bulk_pipe` CTA: the step groups, the loader warp and the storer warp.
 const PIPE_THREADS: usize = (8 * PIPE_GROUPS + 2) * 32;
