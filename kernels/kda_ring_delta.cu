@@ -889,22 +889,20 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring_delta_staged(c
 // of K = V = 128 K-first pools with a delta plane on kda_eager_bulk_pipe's pipeline, each item's
 // fixed work done ahead of its step by warps of their own (docs/performance.md, thirty-eighth
 // session: a read-only pipe whose step is the two products measured 1.8-2.1x eager decode).
-// Items are whole value heads (sequence, hv). Item t of a CTA (blockIdx.x + t gridDim.x) has
-// row buffer t % nr (its rows, record and scalars) and tile buffer t % nb (p.stages = nb |
-// nr << 8; nb in {2, 4}, nr in {4, 8}), preparing warp t % 4 and step group t % 2:
+// Items are whole value heads (sequence, hv); item t of a CTA (blockIdx.x + t gridDim.x) goes
+// to buffer t % nb (nb = p.stages, 2 or 4), preparing warp t % nb and step group t % 2:
 // - the loader warp plans 32 items a round trip (slots, bounds, ring records, a_logs) and fills
-//   item t's row buffer (the new token's rows and dt_bias, the pending entries' delta vectors
-//   by bulk copies, their raw key and gate rows by cp.async: ring rows are only
-//   ring_gran-aligned) nr - 1 items before item t's tile buffer, so an item's preparation runs
-//   while the items before it hold the tile buffers;
-// - a preparing warp activates the item's token and pending entries from its row buffer and
-//   writes its record (P k, P q and the corrections sum_j c u_j, sum_j e u_j; at a commit P
-//   and the R k rows instead), arrives on the slot's counter (its ring reads are done) and on
+//   each item's buffer: the tile, the new token's rows and dt_bias, the pending entries' delta
+//   vectors (bulk copies) and their raw key and gate rows (cp.async: ring rows are only
+//   ring_gran-aligned), all on the buffer's `full` barrier;
+// - a preparing warp activates the item's token and pending entries from the buffer and writes
+//   its record (P k, P q and the corrections sum_j c u_j, sum_j e u_j; at a commit P and the
+//   R k rows instead), arrives on the slot's counter (its ring reads are done) and on
 //   `prepared`;
 // - a step group (eight warps) folds a commit's entries into the tile in place (rounded once),
 //   takes the two products with the tile, writes the output, the delta vector and the ring
 //   append; the slot's last item writes the record (and a commit's new entries);
-// - the storer bulk-stores a committed tile and frees both buffers.
+// - the storer bulk-stores a committed tile and frees the buffer.
 // Items it does not take (not one new token, or pending entries without stored vectors) are
 // not computed: the call records KDA_ERR_PIPE and leaves them (the experiment's limit; the GPU
 // test never makes one).
@@ -913,9 +911,8 @@ namespace kda {
 constexpr int RP_GROUPS = 2;
 constexpr int RP_PREP = 4;
 constexpr int RP_THREADS = (RP_GROUPS * PIPE_WARPS + RP_PREP + 2) * 32;
-constexpr int RP_MAX_TILES = 4;
-constexpr int RP_MAX_ROWS = 8;
-// Scalar words of a row buffer.
+constexpr int RP_MAX_BUFFERS = 4;
+// Scalar words of a buffer.
 enum : int {
     RP_SLOT,
     RP_BOS,
@@ -932,16 +929,14 @@ enum : int {
     RP_BT,
     RP_WORDS = 16
 };
-// The buffers (bytes; mirrored by `delta_pipe_plan` in backend.rs): nb tile buffers of
-// `tile` bytes (a bulk tile, PipeBuffer's), then nr row buffers of `bytes`: the new token's k,
-// q, g, v rows and dt_bias, the pending entries' raw k and g rows and delta vectors, the record
-// (f32: P k [K], P q [K], the corrections [V] x 2, P [K], R k rows [ring_len][K]), the scalar
-// words.
-struct RPipeRows {
-    int tile, k, q, g, v, bias, praw, pu, rec, scal, bytes;
-    __device__ __forceinline__ explicit RPipeRows(int ring_len) {
-        tile = roundup((K * V + LK * WC) * (int)sizeof(ST), 128);
-        k = 0;
+// One buffer (bytes from its 128-byte aligned start; mirrored by `delta_pipe_plan` in
+// backend.rs): the bulk tile (PipeBuffer's), the new token's k, q, g, v rows and dt_bias, the
+// pending entries' raw k and g rows and delta vectors, the record (f32: P k [K], P q [K], the
+// corrections [V] x 2, P [K], R k rows [ring_len][K]), the scalar words.
+struct RPipeBuffer {
+    int k, q, g, v, bias, praw, pu, rec, scal, bytes;
+    __device__ __forceinline__ explicit RPipeBuffer(int ring_len) {
+        k = roundup((K * V + LK * WC) * (int)sizeof(ST), 16);
         q = k + RK;
         g = q + RK;
         v = g + RK;
@@ -961,57 +956,49 @@ __device__ __forceinline__ void cp_async_bar_arrive(kda_u64* bar) {
     asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// The CTA's barriers: per tile buffer `tfull`, `computed`, `tempty`; per row buffer `rfull`,
-// `prepared`, `rempty`.
-struct RPipeBars {
-    kda_u64 *tfull, *computed, *tempty, *rfull, *prepared, *rempty;
-};
-
-__device__ __forceinline__ void rpipe_load(const KdaParams& p, unsigned char* dsm, const RPipeBars& bars,
-                                           kda_u32 total, int nb, int nr, int lane) {
-    const RPipeRows B((int)p.ring_len);
+__device__ __forceinline__ void rpipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
+                                           kda_u32 total, int nb, int lane) {
+    const RPipeBuffer B((int)p.ring_len);
     const kda_u32 step = gridDim.x;
     const size_t entry = ring_entry_elems(p);
     const int gran = (int)p.ring_gran;
     const bool gated = p.gate_mode != 0u;
     const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-    const kda_u32 items = blockIdx.x < total ? (total - blockIdx.x + step - 1) / step : 0u;
-    const kda_u32 lead = (kda_u32)nr - 1u;
-    kda_u32 slot = 0u, bos = 0u, nnew = 0u, cached = 0u, alog = 0u, braw = 0u;
-    Plan pl{0u, KDA_NONE, KDA_NONE, 0u, 0u};
-    for (kda_u32 t = 0; t < items + lead; ++t) {
-        if (t < items) {
-            // the plans of items t .. t + 31, lane l item t + l
-            if (t % 32u == 0u) {
-                const kda_u32 mine = blockIdx.x + (t + (kda_u32)lane) * step;
-                if (mine < total) {
-                    const kda_u32 n = kda_div(mine, p.div_seq), hv = mine - n * p.hv;
-                    slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
-                    bos = bounds[n];
-                    nnew = bounds[n + 1] - bos;
-                    const volatile kda_u32* vm = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
-                    const kda_u32 len = vm[0], pending = vm[1];
-                    cached = vm[3];
-                    if (gated) alog = reinterpret_cast<const kda_u32*>(p.a_log)[hv];
-                    if (nnew > 0u) braw = input_bits(reinterpret_cast<const IT*>(p.beta) + (size_t)bos * p.hv + hv);
-                    pl = plan_from(p, slot, nnew, len, pending, 0u, reinterpret_cast<kda_u32*>(p.err), hv == 0u);
-                }
-            }
-            const int src = (int)(t % 32u);
+    kda_u32 t = 0;
+    for (kda_u32 base = blockIdx.x; base < total; base += 32u * step) {
+        const kda_u32 mine = base + (kda_u32)lane * step;
+        kda_u32 slot = 0u, bos = 0u, nnew = 0u, cached = 0u, alog = 0u, braw = 0u;
+        Plan pl{0u, KDA_NONE, KDA_NONE, 0u, 0u};
+        if (mine < total) {
+            const kda_u32 n = kda_div(mine, p.div_seq), hv = mine - n * p.hv;
+            slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+            bos = bounds[n];
+            nnew = bounds[n + 1] - bos;
+            const volatile kda_u32* vm = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
+            const kda_u32 len = vm[0], pending = vm[1];
+            cached = vm[3];
+            if (gated) alog = reinterpret_cast<const kda_u32*>(p.a_log)[hv];
+            if (nnew > 0u) braw = input_bits(reinterpret_cast<const IT*>(p.beta) + (size_t)bos * p.hv + hv);
+            pl = plan_from(p, slot, nnew, len, pending, 0u, reinterpret_cast<kda_u32*>(p.err), hv == 0u);
+        }
+        const kda_u32 cnt = cmin(32, (int)((total - base + step - 1) / step));
+        for (kda_u32 i = 0; i < cnt; ++i, ++t) {
+            const int src = (int)i;
             const kda_u32 s = KDA_SHFL(slot, src), b0 = KDA_SHFL(bos, src), nn = KDA_SHFL(nnew, src);
             const kda_u32 pd = KDA_SHFL(pl.pend, src), sa = KDA_SHFL(pl.store_after, src);
             const kda_u32 ap = KDA_SHFL(pl.append_at, src), nl = KDA_SHFL(pl.new_len, src);
             const kda_u32 np = KDA_SHFL(pl.new_pending, src), hc = KDA_SHFL(cached, src);
             const kda_u32 al = KDA_SHFL(alog, src), br = KDA_SHFL(braw, src);
-            const kda_u32 item = blockIdx.x + t * step;
-            const int ri = (int)(t % (kda_u32)nr);
-            if (t >= (kda_u32)nr) mbar_wait(&bars.rempty[ri], (t / (kda_u32)nr - 1u) & 1u);
-            unsigned char* rows = dsm + nb * B.tile + ri * B.bytes;
+            const kda_u32 item = base + i * step;
+            const int bi = (int)(t % (kda_u32)nb);
+            const kda_u32 round = t / (kda_u32)nb;
+            unsigned char* buf = dsm + bi * B.bytes;
+            if (round > 0u) mbar_wait(&empty[bi], (round - 1u) & 1u);
             const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
             const size_t h = kda_div(hv, p.div_grp);
             const bool bad = nn != 1u || min(hc, pd) != pd;
             if (lane == 0) {
-                kda_u32* sc = reinterpret_cast<kda_u32*>(rows + B.scal);
+                kda_u32* sc = reinterpret_cast<kda_u32*>(buf + B.scal);
                 sc[RP_SLOT] = s;
                 sc[RP_BOS] = b0;
                 sc[RP_PEND] = pd;
@@ -1023,72 +1010,57 @@ __device__ __forceinline__ void rpipe_load(const KdaParams& p, unsigned char* ds
                 sc[RP_BRAW] = br;
                 sc[RP_BAD] = bad ? 1u : 0u;
             }
-            kda_u32 bytes = (kda_u32)(3 * K + V) * sizeof(IT) + (gated ? (kda_u32)K * 4u : 0u);
+            kda_u32 bytes = (kda_u32)(K * V) * sizeof(ST) + (kda_u32)(3 * K + V) * sizeof(IT) +
+                            (gated ? (kda_u32)K * 4u : 0u);
             if (!bad) {
                 const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)s * p.ring_len * entry;
                 for (kda_u32 j = 0; j < pd; ++j) {
                     const IT* e = ring + (size_t)j * entry;
-                    unsigned char* raw = rows + B.praw + j * 2 * RK;
+                    unsigned char* raw = buf + B.praw + j * 2 * RK;
                     copy_row(raw, e + h * K, K * (int)sizeof(IT), gran, lane);
                     copy_row(raw + RK, e + ring_off_g(p, hv), K * (int)sizeof(IT), gran, lane);
                 }
                 bytes += pd * (kda_u32)V * 4u;
             }
-            cp_async_bar_arrive(&bars.rfull[ri]);
+            cp_async_bar_arrive(&full[bi]);
             KDA_SYNCWARP();
-            if (lane == 0) bulk_bar_expect(&bars.rfull[ri], bytes);
+            if (lane == 0) bulk_bar_expect(&full[bi], bytes);
             KDA_SYNCWARP();
+            ST* const head = state_head(p, s, hv);
+            ST* const tile = reinterpret_cast<ST*>(buf);
+            for (int r = lane * TK; r < K; r += 32 * TK)
+                bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(TK * V) * sizeof(ST), &full[bi]);
             if (!bad)
                 for (kda_u32 j = (kda_u32)lane; j < pd; j += 32u)
-                    bulk_in(rows + B.pu + j * V * 4, delta_row(p, s, j, (int)hv, 0), (kda_u32)V * 4u,
-                            &bars.rfull[ri]);
+                    bulk_in(buf + B.pu + j * V * 4, delta_row(p, s, j, (int)hv, 0), (kda_u32)V * 4u, &full[bi]);
             const size_t tk = (size_t)b0 * p.h + h, tv = (size_t)b0 * p.hv + hv;
             const kda_u32 kb = (kda_u32)K * sizeof(IT);
-            if (lane == 27) bulk_in(rows + B.k, reinterpret_cast<const IT*>(p.k) + tk * K, kb, &bars.rfull[ri]);
-            if (lane == 28) bulk_in(rows + B.q, reinterpret_cast<const IT*>(p.q) + tk * K, kb, &bars.rfull[ri]);
-            if (lane == 29) bulk_in(rows + B.g, reinterpret_cast<const IT*>(p.g) + tv * K, kb, &bars.rfull[ri]);
+            if (lane == 27) bulk_in(buf + B.k, reinterpret_cast<const IT*>(p.k) + tk * K, kb, &full[bi]);
+            if (lane == 28) bulk_in(buf + B.q, reinterpret_cast<const IT*>(p.q) + tk * K, kb, &full[bi]);
+            if (lane == 29) bulk_in(buf + B.g, reinterpret_cast<const IT*>(p.g) + tv * K, kb, &full[bi]);
             if (lane == 30)
-                bulk_in(rows + B.v, reinterpret_cast<const IT*>(p.v) + tv * V, (kda_u32)V * sizeof(IT),
-                        &bars.rfull[ri]);
+                bulk_in(buf + B.v, reinterpret_cast<const IT*>(p.v) + tv * V, (kda_u32)V * sizeof(IT), &full[bi]);
             if (lane == 31 && gated)
-                bulk_in(rows + B.bias, reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, (kda_u32)K * 4u,
-                        &bars.rfull[ri]);
-        }
-        if (t >= lead) {
-            // the tile of item t - lead (its scalars are in its row buffer, written above)
-            const kda_u32 u = t - lead;
-            const int bi = (int)(u % (kda_u32)nb), ri = (int)(u % (kda_u32)nr);
-            if (u >= (kda_u32)nb) mbar_wait(&bars.tempty[bi], (u / (kda_u32)nb - 1u) & 1u);
-            KDA_SYNCWARP();
-            const kda_u32* sc = reinterpret_cast<const kda_u32*>(dsm + nb * B.tile + ri * B.bytes + B.scal);
-            const kda_u32 item = blockIdx.x + u * step;
-            const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
-            if (lane == 0) bulk_bar_expect(&bars.tfull[bi], (kda_u32)(K * V) * sizeof(ST));
-            KDA_SYNCWARP();
-            ST* const head = state_head(p, sc[RP_SLOT], hv);
-            ST* const tile = reinterpret_cast<ST*>(dsm + bi * B.tile);
-            for (int r = lane * TK; r < K; r += 32 * TK)
-                bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(TK * V) * sizeof(ST), &bars.tfull[bi]);
+                bulk_in(buf + B.bias, reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, (kda_u32)K * 4u,
+                        &full[bi]);
         }
     }
 }
 
-// A preparing warp: the records of the CTA's items t = w, w + 4, ...
-__device__ __forceinline__ void rpipe_prepare(const KdaParams& p, unsigned char* dsm, const RPipeBars& bars,
-                                              kda_u32 total, int nb, int nr, int w, int lane) {
-    const RPipeRows B((int)p.ring_len);
+// A preparing warp: the records of the CTA's items t = w, w + nb, ... (buffer w).
+__device__ __forceinline__ void rpipe_prepare(const KdaParams& p, unsigned char* dsm, kda_u64* full,
+                                              kda_u64* prepared, kda_u32 total, int nb, int w, int lane) {
+    const RPipeBuffer B((int)p.ring_len);
     const bool gate = p.gate_mode != 0u, l2 = p.l2norm != 0u;
     kda_u32 t = (kda_u32)w;
-    for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total;
-         item += (kda_u32)RP_PREP * gridDim.x, t += (kda_u32)RP_PREP) {
-        const int ri = (int)(t % (kda_u32)nr);
-        unsigned char* buf = dsm + nb * B.tile + ri * B.bytes;
-        mbar_wait(&bars.rfull[ri], (t / (kda_u32)nr) & 1u);
+    for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total; item += (kda_u32)nb * gridDim.x, t += (kda_u32)nb) {
+        unsigned char* buf = dsm + w * B.bytes;
+        mbar_wait(&full[w], (t / (kda_u32)nb) & 1u);
         kda_u32* sc = reinterpret_cast<kda_u32*>(buf + B.scal);
         if (sc[RP_BAD] != 0u) {
             if (lane == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err), KDA_ERR_PIPE);
             KDA_SYNCWARP();
-            if (lane == 0) mbar_arrive(&bars.prepared[ri]);
+            if (lane == 0) mbar_arrive(&prepared[w]);
             continue;
         }
         const int pend = (int)sc[RP_PEND];
@@ -1185,14 +1157,14 @@ __device__ __forceinline__ void rpipe_prepare(const KdaParams& p, unsigned char*
             sc[RP_LAST] = old == p.hv - 1u ? 1u : 0u;
         }
         KDA_SYNCWARP();
-        if (lane == 0) mbar_arrive(&bars.prepared[ri]);
+        if (lane == 0) mbar_arrive(&prepared[w]);
     }
 }
 
 // A step group: the CTA's items t = g, g + 2, ...
-__device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* dsm, const RPipeBars& bars,
-                                           kda_u32 total, int nb, int nr, int gw, int lane) {
-    const RPipeRows B((int)p.ring_len);
+__device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* dsm, kda_u64* prepared,
+                                           kda_u64* computed, kda_u32 total, int nb, int gw, int lane) {
+    const RPipeBuffer B((int)p.ring_len);
     const int group = gw / PIPE_WARPS, warp = gw % PIPE_WARPS, tid = gw % PIPE_WARPS * 32 + lane;
     const int lk = lane / LV, lv = lane % LV;
     const int col0l = warp * WC + lv * TV;
@@ -1200,10 +1172,9 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
     kda_u32 t = (kda_u32)group;
     for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total;
          item += (kda_u32)RP_GROUPS * gridDim.x, t += (kda_u32)RP_GROUPS) {
-        const int bi = (int)(t % (kda_u32)nb), ri = (int)(t % (kda_u32)nr);
-        unsigned char* buf = dsm + nb * B.tile + ri * B.bytes;
-        mbar_wait(&bars.prepared[ri], (t / (kda_u32)nr) & 1u);
-        mbar_wait(&bars.tfull[bi], (t / (kda_u32)nb) & 1u);
+        const int bi = (int)(t % (kda_u32)nb);
+        unsigned char* buf = dsm + bi * B.bytes;
+        mbar_wait(&prepared[bi], (t / (kda_u32)nb) & 1u);
         const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + B.scal);
         if (sc[RP_BAD] == 0u) {
             const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
@@ -1215,7 +1186,7 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
             const float *pk = rec, *pq = rec + K, *ck = rec + 2 * K, *cq = rec + 2 * K + V, *pm = rec + 2 * K + 2 * V;
             const float* ek = pm + K;
             const float* ua = reinterpret_cast<const float*>(buf + B.pu);
-            ST* const bl = reinterpret_cast<ST*>(dsm + bi * B.tile) + lk * WC;
+            ST* const bl = reinterpret_cast<ST*>(buf) + lk * WC;
             float ak[TV], aq[TV];
 #pragma unroll
             for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
@@ -1303,34 +1274,33 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
             }
             bulk_fence();
         }
-        // every warp of the group is past this item's buffers before the storer reads its tile
+        // every warp of the group is past this item's buffer before the storer reads its tile
+        // and the loader refills it
         pipe_step_sync(group);
-        if (warp == 0 && lane == 0) mbar_arrive(&bars.computed[bi]);
+        if (warp == 0 && lane == 0) mbar_arrive(&computed[bi]);
     }
 }
 
-// The storer warp: a committed tile back to its head, then both buffers freed.
-__device__ __forceinline__ void rpipe_store(const KdaParams& p, unsigned char* dsm, const RPipeBars& bars,
-                                            kda_u32 total, int nb, int nr, int lane) {
-    const RPipeRows B((int)p.ring_len);
+// The storer warp: a committed tile back to its head, then the buffer freed.
+__device__ __forceinline__ void rpipe_store(const KdaParams& p, unsigned char* dsm, kda_u64* computed,
+                                            kda_u64* empty, kda_u32 total, int nb, int lane) {
+    const RPipeBuffer B((int)p.ring_len);
     kda_u32 t = 0;
     for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
-        const int bi = (int)(t % (kda_u32)nb), ri = (int)(t % (kda_u32)nr);
-        mbar_wait(&bars.computed[bi], (t / (kda_u32)nb) & 1u);
-        const kda_u32* sc = reinterpret_cast<const kda_u32*>(dsm + nb * B.tile + ri * B.bytes + B.scal);
+        const int bi = (int)(t % (kda_u32)nb);
+        unsigned char* buf = dsm + bi * B.bytes;
+        mbar_wait(&computed[bi], (t / (kda_u32)nb) & 1u);
+        const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + B.scal);
         if (sc[RP_BAD] == 0u && sc[RP_STORE] != KDA_NONE && sc[RP_PEND] > 0u) {
             const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
             ST* const head = state_head(p, sc[RP_SLOT], hv);
-            const ST* const tile = reinterpret_cast<const ST*>(dsm + bi * B.tile);
+            const ST* const tile = reinterpret_cast<const ST*>(buf);
             for (int r = lane * TK; r < K; r += 32 * TK)
                 bulk_out(head + (size_t)r * V, tile + bulk_row(r, V), (kda_u32)(TK * V) * sizeof(ST));
             bulk_out_done();
         }
         KDA_SYNCWARP();
-        if (lane == 0) {
-            mbar_arrive(&bars.tempty[bi]);
-            mbar_arrive(&bars.rempty[ri]);
-        }
+        if (lane == 0) mbar_arrive(&empty[bi]);
     }
 }
 #endif
@@ -1341,28 +1311,29 @@ extern "C" __global__ void __launch_bounds__(kda::RP_THREADS, 1) kda_ring_delta_
     using namespace kda;
     if constexpr (LEAN_FITS && !VFIRST) {
         extern __shared__ __align__(16) unsigned char rp_dsm[];
-        __shared__ kda_u64 tbar[3][RP_MAX_TILES], rbar[3][RP_MAX_ROWS];
+        __shared__ kda_u64 full[RP_MAX_BUFFERS], prepared[RP_MAX_BUFFERS], computed[RP_MAX_BUFFERS],
+            empty[RP_MAX_BUFFERS];
         unsigned char* const dsm = rp_dsm + ((PIPE_ALIGN - (smem_addr(rp_dsm) & (PIPE_ALIGN - 1))) & (PIPE_ALIGN - 1));
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int nb = cmin((int)(p.stages & 0xffu), RP_MAX_TILES);
-        const int nr = cmin((int)(p.stages >> 8), RP_MAX_ROWS);
+        const int nb = cmin((int)p.stages, RP_MAX_BUFFERS);
         const kda_u32 total = p.n_seqs * p.hv;
-        const RPipeBars bars{tbar[0], tbar[1], tbar[2], rbar[0], rbar[1], rbar[2]};
-        if (threadIdx.x < (unsigned)nb)
-            for (int b = 0; b < 3; ++b) bulk_bar_init(&tbar[b][threadIdx.x]);
-        if (threadIdx.x < (unsigned)nr)
-            for (int b = 0; b < 3; ++b) bulk_bar_init(&rbar[b][threadIdx.x]);
+        if (threadIdx.x < (unsigned)nb) {
+            bulk_bar_init(&full[threadIdx.x]);
+            bulk_bar_init(&prepared[threadIdx.x]);
+            bulk_bar_init(&computed[threadIdx.x]);
+            bulk_bar_init(&empty[threadIdx.x]);
+        }
         __syncthreads();
         KDA_DEPENDENT_LAUNCH();
         constexpr int steps = RP_GROUPS * PIPE_WARPS;
         if (warp < steps) {
-            rpipe_step(p, dsm, bars, total, nb, nr, warp, lane);
+            rpipe_step(p, dsm, prepared, computed, total, nb, warp, lane);
         } else if (warp < steps + RP_PREP) {
-            rpipe_prepare(p, dsm, bars, total, nb, nr, warp - steps, lane);
+            if (warp - steps < nb) rpipe_prepare(p, dsm, full, prepared, total, nb, warp - steps, lane);
         } else if (warp == steps + RP_PREP) {
-            rpipe_load(p, dsm, bars, total, nb, nr, lane);
+            rpipe_load(p, dsm, full, empty, total, nb, lane);
         } else {
-            rpipe_store(p, dsm, bars, total, nb, nr, lane);
+            rpipe_store(p, dsm, computed, empty, total, nb, lane);
         }
     }
 #endif

@@ -647,19 +647,15 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
 /// Threads of a `kda_ring_delta_pipe` CTA (`RP_THREADS`: two step groups of eight warps, four
 /// preparing warps, a loader and a storer).
 const DELTA_PIPE_THREADS: usize = (2 * 8 + 4 + 2) * 32;
-/// The (tile, row) buffer counts `kda_ring_delta_pipe` tries, best first (`RP_MAX_TILES`,
-/// `RP_MAX_ROWS`; tile buffers a multiple of its two step groups, row buffers of its four
-/// preparing warps).
-const DELTA_PIPE_BUFFERS: [(usize, usize); 4] = [(4, 8), (4, 4), (2, 8), (2, 4)];
+/// Most buffers of a `kda_ring_delta_pipe` CTA (`RP_MAX_BUFFERS`).
+const DELTA_PIPE_BUFFERS: usize = 4;
 
 /// The launch of `kda_ring_delta_pipe` ([`RingKernel::DeltaPipe`]): ring decode of a K-first
-/// pool with K = V = 128, a delta plane and nearest rounding, on a device with bulk copies; the
-/// first of [`DELTA_PIPE_BUFFERS`] whose tile and row buffers (`RPipeRows` in
-/// `kernels/kda_ring_delta.cu`, mirrored here) fit shared memory (`stages`: tile buffers | row
-/// buffers << 8).
+/// pool with K = V = 128, a delta plane and nearest rounding, on a device with bulk copies; as
+/// many buffers (`RPipeBuffer` in `kernels/kda_ring_delta.cu`, mirrored here) as fit shared
+/// memory, up to four and a multiple of its two step groups (`stages`).
 fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
     let r16 = |x: usize| x.div_ceil(16) * 16;
-    let r128 = |x: usize| x.div_ceil(128) * 128;
     if !(s.decode
         && s.max_new <= 1
         && s.deltas
@@ -682,31 +678,31 @@ fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
         return None;
     }
     let rk = r16(s.k * isz);
-    // a tile buffer: the bulk tile (LK x WC = 8 x 16 elements of padding); a row buffer: the
-    // new token's rows and dt_bias, the pending entries' raw rows and vectors, the record, the
-    // scalar words
-    let tile = r128((s.k * s.v + 128) * s.state_size);
-    let rows = r128(
-        3 * rk
-            + r16(s.v * isz)
-            + 4 * s.k
-            + s.ring_len * (2 * rk + 4 * s.v)
-            + 4 * (3 * s.k + 2 * s.v + s.ring_len * s.k)
-            + 4 * 16,
-    );
-    // static: three barriers per buffer of either kind; dynamic: from a 128-byte boundary
-    let room = s.smem_optin.saturating_sub(3 * 8 * (4 + 8) + PIPE_ALIGN);
-    let (nb, nr) = DELTA_PIPE_BUFFERS
-        .into_iter()
-        .find(|&(nb, nr)| nb * tile + nr * rows <= room)?;
-    Some(RingPlan {
+    // the bulk tile (LK x WC = 8 x 16 elements of padding), the new token's rows and dt_bias,
+    // the pending entries' raw rows and vectors, the record, the scalar words
+    let tile = r16((s.k * s.v + 128) * s.state_size);
+    let scal = tile
+        + 3 * rk
+        + r16(s.v * isz)
+        + 4 * s.k
+        + s.ring_len * (2 * rk + 4 * s.v)
+        + 4 * (3 * s.k + 2 * s.v + s.ring_len * s.k);
+    let bytes = (scal + 4 * 16).div_ceil(128) * 128;
+    // static: four barriers per buffer; dynamic: the buffers from a 128-byte boundary
+    let fit = s
+        .smem_optin
+        .saturating_sub(4 * 8 * DELTA_PIPE_BUFFERS + PIPE_ALIGN)
+        / bytes;
+    let nb = DELTA_PIPE_BUFFERS.min(fit);
+    let nb = nb - nb % 2;
+    (nb >= 2).then_some(RingPlan {
         kernel: RingKernel::DeltaPipe,
         mt: s.ring_len + 1,
         mq: 1,
         gran,
         vblocks: 1,
-        smem: nb * tile + nr * rows + PIPE_ALIGN,
-        stages: nb | nr << 8,
+        smem: nb * bytes + PIPE_ALIGN,
+        stages: nb,
     })
 }
 
@@ -2285,12 +2281,14 @@ mod tests {
             max_new: 1,
             ..ring_shape(state_size, 8, 1)
         };
-        // bf16 inputs, ring 8: row buffers of 16512 bytes; 2-byte: four tile buffers of 33024
-        // and four row buffers (eight do not fit); fp32: two of 66048 and four
-        for (size, nb, tile) in [(2, 4, 33_024), (4, 2, 66_048)] {
+        // 2-byte: four buffers of 49536 bytes; fp32: two of 82560 (bf16 inputs, ring 8)
+        for (size, nb, bytes) in [(2, 4, 49_536), (4, 2, 82_560)] {
             let p = ring_plan(&decode(size), RingKernel::DeltaPipe).expect("fits");
-            let smem = nb * tile + 4 * 16_512 + PIPE_ALIGN;
-            assert_eq!((p.stages, p.smem), (nb | 4 << 8, smem), "{size}-byte");
+            assert_eq!(
+                (p.stages, p.smem),
+                (nb, nb * bytes + PIPE_ALIGN),
+                "{size}-byte"
+            );
             assert_eq!((p.kernel, p.vblocks), (RingKernel::DeltaPipe, 1));
         }
         let refused = [
