@@ -37,8 +37,9 @@
 // computed (kda_ring_delta_loop, in the history as 561687c) 35-63% slower (thirty-seventh).
 // Without its fixed work at all (a probe) an item of this kernel would still make 2-byte ring
 // decode only 1.03-1.09x as fast as eager decode, while the eager bulk pipe with no stores and
-// its step cut to these two products ran 1.8-2.1x as fast (thirty-eighth session): the route
-// left is that pipe with each item's fixed work prepared by warps of their own.
+// its step cut to these two products ran 1.8-2.1x as fast (thirty-eighth session). That pipe
+// with each item's fixed work prepared by warps of their own (kda_ring_delta_pipe, in the
+// history as 8e56fe1) was correct and 16-95% slower: its preparing warps did not keep up.
 #include "kda_ring.cu"
 
 namespace kda {
