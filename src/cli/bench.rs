@@ -31,12 +31,13 @@ use super::CliError;
 
 /// The ring kernels each ring case is also timed with, forced, and their rows' suffixes
 /// (`decode-piped`, `spec-tile`, `replay-step`, ...).
-const RING_ROWS: [(&str, RingKernel); 6] = [
+const RING_ROWS: [(&str, RingKernel); 7] = [
     ("piped", RingKernel::Pipelined),
     ("tile", RingKernel::Tile),
     ("mma", RingKernel::Mma),
     ("delta", RingKernel::Delta),
     ("delta-staged", RingKernel::DeltaStaged),
+    ("delta-pipe", RingKernel::DeltaPipe),
     ("step", RingKernel::Step),
 ];
 
@@ -134,7 +135,7 @@ pub struct Args {
     pub dependent_launch: String,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
-    /// pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, step).
+    /// pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, delta-pipe, step).
     #[arg(long, default_value = "all")]
     pub forced: String,
 }

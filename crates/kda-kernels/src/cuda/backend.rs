@@ -23,7 +23,7 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{
     FastDiv, KdaParams, OpCode, EARLY_PREFETCH, EARLY_SLOT_ONCE, ERR_ACCEPTED, ERR_DECODE_DRAFTS,
-    ERR_META, NO_SLOT,
+    ERR_META, ERR_PIPE, NO_SLOT,
 };
 use super::registry::{
     eager_kernel, eager_tile_kernel, ring_kernel, ring_tile_kernel, step_kernel, warm_up, StepKey,
@@ -515,6 +515,8 @@ struct RingShape {
     v_first: bool,
     /// Whether the call is a ring decode (one new token per sequence).
     decode: bool,
+    /// Whether the device has bulk copies (`kda_ring_delta_pipe` needs them).
+    bulk: bool,
     smem_optin: usize,
 }
 
@@ -533,6 +535,8 @@ struct RingPlan {
     vblocks: usize,
     /// Dynamic shared memory, bytes.
     smem: usize,
+    /// `kda_ring_delta_pipe`'s buffers per CTA (0 for the other kernels).
+    stages: usize,
 }
 
 /// Threads of a `kda_ring` CTA (`RT` in `kernels/kda_ring.cu`).
@@ -557,6 +561,9 @@ fn ring_item_columns(k: usize) -> usize {
 /// `kernels/kda_ring_delta.cu` (an item of each kernel is eight warps of `kda_step`'s lane
 /// mapping).
 fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
+    if kernel == RingKernel::DeltaPipe {
+        return delta_pipe_plan(s);
+    }
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = ring_item_columns(s.k);
     let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
@@ -633,6 +640,69 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         gran,
         vblocks: s.v.div_ceil(cw),
         smem,
+        stages: 0,
+    })
+}
+
+/// Threads of a `kda_ring_delta_pipe` CTA (`RP_THREADS`: two step groups of eight warps, four
+/// preparing warps, a loader and a storer).
+const DELTA_PIPE_THREADS: usize = (2 * 8 + 4 + 2) * 32;
+/// Most buffers of a `kda_ring_delta_pipe` CTA (`RP_MAX_BUFFERS`).
+const DELTA_PIPE_BUFFERS: usize = 4;
+
+/// The launch of `kda_ring_delta_pipe` ([`RingKernel::DeltaPipe`]): ring decode of a K-first
+/// pool with K = V = 128, a delta plane and nearest rounding, on a device with bulk copies; as
+/// many buffers (`RPipeBuffer` in `kernels/kda_ring_delta.cu`, mirrored here) as fit shared
+/// memory, up to four and a multiple of its two step groups (`stages`).
+fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
+    let r16 = |x: usize| x.div_ceil(16) * 16;
+    if !(s.decode
+        && s.max_new <= 1
+        && s.deltas
+        && s.bulk
+        && !s.stochastic
+        && !s.v_first
+        && s.k == 128
+        && s.v == 128
+        && s.ring_len > 0)
+    {
+        return None;
+    }
+    let isz = s.input_size;
+    let gran = [s.entry_bytes, s.k * isz, s.v * isz]
+        .iter()
+        .map(|q| 1usize << q.trailing_zeros().min(4))
+        .min()
+        .unwrap_or(16);
+    if gran < 4 {
+        return None;
+    }
+    let rk = r16(s.k * isz);
+    // the bulk tile (LK x WC = 8 x 16 elements of padding), the new token's rows and dt_bias,
+    // the pending entries' raw rows and vectors, the record, the scalar words
+    let tile = r16((s.k * s.v + 128) * s.state_size);
+    let scal = tile
+        + 3 * rk
+        + r16(s.v * isz)
+        + 4 * s.k
+        + s.ring_len * (2 * rk + 4 * s.v)
+        + 4 * (3 * s.k + 2 * s.v + s.ring_len * s.k);
+    let bytes = (scal + 4 * 16).div_ceil(128) * 128;
+    // static: four barriers per buffer; dynamic: the buffers from a 128-byte boundary
+    let fit = s
+        .smem_optin
+        .saturating_sub(4 * 8 * DELTA_PIPE_BUFFERS + PIPE_ALIGN)
+        / bytes;
+    let nb = DELTA_PIPE_BUFFERS.min(fit);
+    let nb = nb - nb % 2;
+    (nb >= 2).then_some(RingPlan {
+        kernel: RingKernel::DeltaPipe,
+        mt: s.ring_len + 1,
+        mq: 1,
+        gran,
+        vblocks: 1,
+        smem: nb * bytes + PIPE_ALIGN,
+        stages: nb,
     })
 }
 
@@ -929,7 +999,8 @@ impl CudaBackend {
 
     /// Reports (and clears) the violations the kernels recorded since the last check: an
     /// accepted count above a slot's drafts (clamped), decode on a slot with drafts (dropped),
-    /// a corrupt ring record (clamped). Waits for all enqueued work.
+    /// a corrupt ring record (clamped), items the forced `kda_ring_delta_pipe` left. Waits for
+    /// all enqueued work.
     pub fn check_device_errors(&self) -> Result<()> {
         let mut err = self.err.lock();
         let mut words = [0u8; 16];
@@ -950,6 +1021,11 @@ impl CudaBackend {
             KernelError::arg(
                 "slots",
                 format!("slot {slot} had drafts at decode; the device dropped them (the pool has changed)"),
+            )
+        } else if w[0] & ERR_PIPE != 0 {
+            KernelError::arg(
+                "ring_kernel",
+                "kda_ring_delta_pipe (forced) left items it does not take (not one new token, or ring entries without stored delta vectors); the pool has changed".to_string(),
             )
         } else {
             debug_assert!(w[0] & ERR_META != 0);
@@ -1186,6 +1262,7 @@ impl CudaBackend {
                 deltas: g.ring_deltas,
                 v_first: g.layout == StateLayout::VFirst,
                 decode: call.op == Op::Decode,
+                bulk: self.has_bulk_copies,
                 smem_optin: self.smem_optin,
             };
             ring_choice(&shape, call.op, *self.ring_kernel.lock())
@@ -1225,6 +1302,11 @@ impl CudaBackend {
                 let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
                 (f, name, pl.smem, Some(grid))
             }
+            (None, Some(rp)) if rp.kernel == RingKernel::DeltaPipe => {
+                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
+                let grid = self.persistent_grid(&f, name, DELTA_PIPE_THREADS, rp.smem)?;
+                (f, name, rp.smem, Some(grid))
+            }
             (None, Some(rp)) if rp.kernel != RingKernel::Pipelined => {
                 let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
                 Self::opt_in_smem(&f, name, rp.smem)?;
@@ -1244,7 +1326,12 @@ impl CudaBackend {
             };
             (g.hv, 1usize, pl.vblocks, warps)
         } else if let Some(rp) = ring_pipe {
-            (g.hv, 1usize, rp.vblocks, RING_THREADS / 32)
+            let threads = if rp.kernel == RingKernel::DeltaPipe {
+                DELTA_PIPE_THREADS
+            } else {
+                RING_THREADS
+            };
+            (g.hv, 1usize, rp.vblocks, threads / 32)
         } else if ring {
             let w = warps_per_head.min(8);
             (g.h, g.group(), 1usize, w)
@@ -1324,7 +1411,11 @@ impl CudaBackend {
             heads_per_cta: heads_per_cta as u32,
             units: units as u32,
             vblocks: vblocks as u32,
-            stages: pipe.map_or(2, |pl| pl.stages as u32),
+            stages: match (pipe, ring_pipe) {
+                (Some(pl), _) => pl.stages as u32,
+                (None, Some(rp)) if rp.kernel == RingKernel::DeltaPipe => rp.stages as u32,
+                _ => 2,
+            },
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
             early: match (dependent, pipe.is_some_and(|pl| pl.slot_once)) {
                 (false, _) => 0,
@@ -1346,7 +1437,8 @@ impl CudaBackend {
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
-        // launch bounds (<= 256 threads; PIPE_THREADS for kda_eager_bulk_pipe); the pipelined
+        // launch bounds (<= 256 threads; PIPE_THREADS for kda_eager_bulk_pipe,
+        // DELTA_PIPE_THREADS for kda_ring_delta_pipe); the pipelined
         // kernels' dynamic shared memory was checked against the device's opt-in limit and
         // their copies against the shape (`eager_plan`, `ring_plan`); every KDA kernel runs
         // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs, before any access
@@ -2010,6 +2102,7 @@ mod tests {
             deltas: false,
             v_first: false,
             decode: false,
+            bulk: true,
             smem_optin: 227 * 1024,
         }
     }
@@ -2178,6 +2271,59 @@ mod tests {
         s.deltas = true;
         let p = ring_plan(&s, RingKernel::DeltaStaged).expect("ring 8");
         assert!(3 * (p.smem + 1024 + 48) <= 228 * 1024, "{} bytes", p.smem);
+    }
+
+    #[test]
+    fn delta_pipe_plan_fits_its_buffers_and_refuses_what_it_cannot_take() {
+        let decode = |state_size| RingShape {
+            deltas: true,
+            decode: true,
+            max_new: 1,
+            ..ring_shape(state_size, 8, 1)
+        };
+        // 2-byte: four buffers of 49536 bytes; fp32: two of 82560 (bf16 inputs, ring 8)
+        for (size, nb, bytes) in [(2, 4, 49_536), (4, 2, 82_560)] {
+            let p = ring_plan(&decode(size), RingKernel::DeltaPipe).expect("fits");
+            assert_eq!(
+                (p.stages, p.smem),
+                (nb, nb * bytes + PIPE_ALIGN),
+                "{size}-byte"
+            );
+            assert_eq!((p.kernel, p.vblocks), (RingKernel::DeltaPipe, 1));
+        }
+        let refused = [
+            RingShape {
+                deltas: false,
+                ..decode(2)
+            },
+            RingShape {
+                decode: false,
+                ..decode(2)
+            },
+            RingShape {
+                bulk: false,
+                ..decode(2)
+            },
+            RingShape {
+                v_first: true,
+                ..decode(2)
+            },
+            RingShape {
+                stochastic: true,
+                ..decode(2)
+            },
+            RingShape { k: 64, ..decode(2) },
+        ];
+        for (i, s) in refused.iter().enumerate() {
+            assert_eq!(ring_plan(s, RingKernel::DeltaPipe), None, "refusal {i}");
+        }
+        // never a default
+        for op in [Op::Decode, Op::SpecVerify, Op::Replay] {
+            assert_ne!(
+                ring_choice(&decode(2), op, None).map(|p| p.kernel),
+                Some(RingKernel::DeltaPipe)
+            );
+        }
     }
 
     #[test]

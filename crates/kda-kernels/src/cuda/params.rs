@@ -14,6 +14,8 @@ pub(crate) enum OpCode {
 pub(crate) const ERR_ACCEPTED: u32 = 1;
 pub(crate) const ERR_DECODE_DRAFTS: u32 = 2;
 pub(crate) const ERR_META: u32 = 4;
+/// `kda_ring_delta_pipe` (forced) left an item it does not take (`KDA_ERR_PIPE`).
+pub(crate) const ERR_PIPE: u32 = 8;
 /// "No slot recorded" in the error word.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 

@@ -65,6 +65,7 @@ enum Key {
     RingMma(StepKey),
     RingDelta(StepKey),
     RingDeltaStaged(StepKey),
+    RingDeltaPipe(StepKey),
     Fill,
     Copy,
 }
@@ -87,6 +88,7 @@ impl Key {
             Key::RingMma(_) => "kda_ring_mma",
             Key::RingDelta(_) => "kda_ring_delta",
             Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
+            Key::RingDeltaPipe(_) => "kda_ring_delta_pipe",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -108,13 +110,14 @@ impl Key {
             | Key::RingTile(k)
             | Key::RingMma(k)
             | Key::RingDelta(k)
-            | Key::RingDeltaStaged(k) => ModuleKey::Step(k),
+            | Key::RingDeltaStaged(k)
+            | Key::RingDeltaPipe(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (fourteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (fifteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -123,7 +126,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 14] {
+fn step_module(k: StepKey) -> [Key; 15] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -139,6 +142,7 @@ fn step_module(k: StepKey) -> [Key; 14] {
         Key::RingMma(k),
         Key::RingDelta(k),
         Key::RingDeltaStaged(k),
+        Key::RingDeltaPipe(k),
     ]
 }
 
@@ -298,7 +302,7 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
         // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit, and
         // kda_eager_bulk_pipe for as many buffers: all of the SM's shared memory, not the L1
         // the driver might keep (set once, at load)
-        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) = key {
+        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) | Key::RingDeltaPipe(_) = key {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                 100,
@@ -401,6 +405,7 @@ pub(crate) fn ring_tile_kernel(
     let k = match kernel {
         RingKernel::Mma => Key::RingMma(key),
         RingKernel::DeltaStaged => Key::RingDeltaStaged(key),
+        RingKernel::DeltaPipe => Key::RingDeltaPipe(key),
         RingKernel::Delta => Key::RingDelta(key),
         _ => Key::RingTile(key),
     };
@@ -480,7 +485,8 @@ mod tests {
                 "kda_ring_tile",
                 "kda_ring_mma",
                 "kda_ring_delta",
-                "kda_ring_delta_staged"
+                "kda_ring_delta_staged",
+                "kda_ring_delta_pipe"
             ]
         );
     }
