@@ -886,286 +886,288 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring_delta_staged(c
     ring_delta_item_far(p);
 }
 
-// kda_ring_delta_pipe (an experiment, run only when forced: RingKernel::DeltaPipe): ring decode
-// of K = V = 128 K-first pools with a delta plane on kda_eager_bulk_pipe's pipeline, each item's
-// fixed work done ahead of its step by warps of their own (docs/performance.md, thirty-eighth
-// session: a read-only pipe whose step is the two products measured 1.8-2.1x eager decode).
-// Items are whole value heads (sequence, hv); item t of a CTA (blockIdx.x + t gridDim.x) goes
-// to buffer t % nb (nb = p.stages, 2 or 4), preparing warp t % nb and step group t % 2:
-// - the loader warp plans 32 items a round trip (slots, bounds, ring records, a_logs) and fills
-//   each item's buffer: the tile, the new token's rows and dt_bias, the pending entries' delta
-//   vectors (bulk copies) and their raw key and gate rows (cp.async: ring rows are only
-//   ring_gran-aligned), all on the buffer's `full` barrier;
-// - a preparing warp activates the item's token and pending entries from the buffer and writes
-//   its record (P k, P q and the corrections sum_j c u_j, sum_j e u_j; at a commit P and the
-//   R k rows instead), arrives on the slot's counter (its ring reads are done) and on
-//   `prepared`;
-// - a step group (eight warps) folds a commit's entries into the tile in place (rounded once),
-//   takes the two products with the tile, writes the output, the delta vector and the ring
-//   append; the slot's last item writes the record (and a commit's new entries);
-// - the storer bulk-stores a committed tile and frees the buffer.
-// Items it does not take (not one new token, or pending entries without stored vectors) are
-// not computed: the call records KDA_ERR_PIPE and leaves them (the experiment's limit; the GPU
-// test never makes one).
+// kda_ring_delta_prep + kda_ring_delta_pipe (an experiment, run only when forced:
+// RingKernel::DeltaPipe): ring decode of K = V = 128 K-first pools with a delta plane in two
+// launches. The thirty-eighth session's read-only bulk pipe with its step cut to the two
+// products ran 1.8-2.1x eager decode, and the same pipe with each item's fixed work done by
+// preparing warps inside it was slower than kda_ring_delta (its preparing warps did not keep
+// up). Here the fixed work is a kernel of its own, ahead of the pipe:
+// - kda_ring_delta_prep, one warp per item (sequence, value head): the plan, the new token's
+//   and the pending entries' rows and activations, the pair sums and corrections, into the
+//   item's record in a scratch buffer (P k, P q, beta (v - sum_j c_j u_j), sum_j e_j u_j, q . k,
+//   beta; at a commit also P and the R k rows), and the ring append (entry append_at is not
+//   one this call reads, except at a commit, where each item writes only rows it alone reads:
+//   a GVA group's shared k row is left to the pipe);
+// - kda_ring_delta_pipe, persistent CTAs: a loader warp bulk-copies each item's tile (the first
+//   buffers' before the dependent launch's wait: the prep kernel writes no state, and it lets
+//   its dependents start only after its own wait) and then its record (and a commit's delta
+//   vectors); two step groups fold a commit's entries into the tile in place (rounded once),
+//   take the two products, write the output, the delta vector, a commit's GVA k row and the
+//   ring record; a storer warp writes committed tiles back.
+// Items the experiment does not take (not one new token, or pending entries without stored
+// vectors) are left: the call records KDA_ERR_PIPE.
 #define KDA_ERR_PIPE 8u
 namespace kda {
+constexpr int RQ_WARPS = 4; // kda_ring_delta_prep: items (one a warp) per CTA
+constexpr int RQ_THREADS = RQ_WARPS * 32;
 constexpr int RP_GROUPS = 2;
-constexpr int RP_PREP = 4;
-constexpr int RP_THREADS = (RP_GROUPS * PIPE_WARPS + RP_PREP + 2) * 32;
+constexpr int RP_THREADS = (RP_GROUPS * PIPE_WARPS + 2) * 32;
 constexpr int RP_MAX_BUFFERS = 4;
-// Scalar words of a buffer.
-enum : int {
-    RP_SLOT,
-    RP_BOS,
-    RP_PEND,
-    RP_STORE,
-    RP_APPEND,
-    RP_LEN,
-    RP_PENDING,
-    RP_ALOG,
-    RP_BRAW,
-    RP_BAD,
-    RP_LAST,
-    RP_QK,
-    RP_BT,
-    RP_WORDS = 16
+// Header words of a record.
+enum : int { RQ_SLOT, RQ_BOS, RQ_PEND, RQ_STORE, RQ_APPEND, RQ_LEN, RQ_PENDING, RQ_BAD, RQ_QK, RQ_BT, RQ_WORDS = 16 };
+// An item's record (bytes; mirrored by `delta_record_bytes` in backend.rs): the header words,
+// P k [K], P q [K] (f32 by K row), wu = beta (v - sum_j c_j u_j) [V], cq = sum_j e_j u_j [V] (by
+// column), then from `tail` (128-byte aligned) a commit's P [K] and R k rows [ring_len][K].
+struct Record {
+    int pk, pq, wu, cq, head_bytes, tail, bytes;
+    __device__ __forceinline__ explicit Record(int ring_len) {
+        pk = 4 * RQ_WORDS;
+        pq = pk + 4 * K;
+        wu = pq + 4 * K;
+        cq = wu + 4 * V;
+        head_bytes = cq + 4 * V;
+        tail = roundup(head_bytes, 128);
+        bytes = roundup(tail + 4 * K * (1 + ring_len), 128);
+    }
 };
-// One buffer (bytes from its 128-byte aligned start; mirrored by `delta_pipe_plan` in
-// backend.rs): the bulk tile (PipeBuffer's), the new token's k, q, g, v rows and dt_bias, the
-// pending entries' raw k and g rows and delta vectors, the record (f32: P k [K], P q [K], the
-// corrections [V] x 2, P [K], R k rows [ring_len][K]), the scalar words.
+// One pipe buffer (bytes from its 128-byte aligned start; mirrored by `delta_pipe_plan`): the
+// bulk tile, the record (its layout), a commit's delta vectors [ring_len][V].
 struct RPipeBuffer {
-    int k, q, g, v, bias, praw, pu, rec, scal, bytes;
-    __device__ __forceinline__ explicit RPipeBuffer(int ring_len) {
-        k = roundup((K * V + LK * WC) * (int)sizeof(ST), 16);
-        q = k + RK;
-        g = q + RK;
-        v = g + RK;
-        bias = v + roundup(V * (int)sizeof(IT), 16);
-        praw = bias + K * 4;
-        pu = praw + ring_len * 2 * RK;
-        rec = pu + ring_len * V * 4;
-        scal = rec + (3 * K + 2 * V + ring_len * K) * 4;
-        bytes = roundup(scal + 4 * RP_WORDS, 128);
+    int rec, u, bytes;
+    __device__ __forceinline__ RPipeBuffer(const Record& R, int ring_len) {
+        rec = roundup((K * V + LK * WC) * (int)sizeof(ST), 128);
+        u = rec + R.bytes;
+        bytes = roundup(u + ring_len * V * 4, 128);
     }
 };
 
-#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// This thread's cp.async copies so far arrive on `bar` once they complete (the barrier's
-// pending count goes up now and down then).
-__device__ __forceinline__ void cp_async_bar_arrive(kda_u64* bar) {
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+// A lane's KR elements of a ring row (only ring_gran-aligned: one element at a time).
+__device__ __forceinline__ void ring_split(const IT* row, int lane, float (&x)[KR]) {
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = kda_load(row[KR * lane + i]);
 }
 
-__device__ __forceinline__ void rpipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
-                                           kda_u32 total, int nb, int lane) {
-    const RPipeBuffer B((int)p.ring_len);
-    const kda_u32 step = gridDim.x;
-    const size_t entry = ring_entry_elems(p);
-    const int gran = (int)p.ring_gran;
-    const bool gated = p.gate_mode != 0u;
-    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
-    kda_u32 t = 0;
-    for (kda_u32 base = blockIdx.x; base < total; base += 32u * step) {
-        const kda_u32 mine = base + (kda_u32)lane * step;
-        kda_u32 slot = 0u, bos = 0u, nnew = 0u, cached = 0u, alog = 0u, braw = 0u;
-        Plan pl{0u, KDA_NONE, KDA_NONE, 0u, 0u};
-        if (mine < total) {
-            const kda_u32 n = kda_div(mine, p.div_seq), hv = mine - n * p.hv;
-            slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
-            bos = bounds[n];
-            nnew = bounds[n + 1] - bos;
-            const volatile kda_u32* vm = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
-            const kda_u32 len = vm[0], pending = vm[1];
-            cached = vm[3];
-            if (gated) alog = reinterpret_cast<const kda_u32*>(p.a_log)[hv];
-            if (nnew > 0u) braw = input_bits(reinterpret_cast<const IT*>(p.beta) + (size_t)bos * p.hv + hv);
-            pl = plan_from(p, slot, nnew, len, pending, 0u, reinterpret_cast<kda_u32*>(p.err), hv == 0u);
-        }
-        const kda_u32 cnt = cmin(32, (int)((total - base + step - 1) / step));
-        for (kda_u32 i = 0; i < cnt; ++i, ++t) {
-            const int src = (int)i;
-            const kda_u32 s = KDA_SHFL(slot, src), b0 = KDA_SHFL(bos, src), nn = KDA_SHFL(nnew, src);
-            const kda_u32 pd = KDA_SHFL(pl.pend, src), sa = KDA_SHFL(pl.store_after, src);
-            const kda_u32 ap = KDA_SHFL(pl.append_at, src), nl = KDA_SHFL(pl.new_len, src);
-            const kda_u32 np = KDA_SHFL(pl.new_pending, src), hc = KDA_SHFL(cached, src);
-            const kda_u32 al = KDA_SHFL(alog, src), br = KDA_SHFL(braw, src);
-            const kda_u32 item = base + i * step;
-            const int bi = (int)(t % (kda_u32)nb);
-            const kda_u32 round = t / (kda_u32)nb;
-            unsigned char* buf = dsm + bi * B.bytes;
-            if (round > 0u) mbar_wait(&empty[bi], (round - 1u) & 1u);
-            const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
-            const size_t h = kda_div(hv, p.div_grp);
-            const bool bad = nn != 1u || min(hc, pd) != pd;
-            if (lane == 0) {
-                kda_u32* sc = reinterpret_cast<kda_u32*>(buf + B.scal);
-                sc[RP_SLOT] = s;
-                sc[RP_BOS] = b0;
-                sc[RP_PEND] = pd;
-                sc[RP_STORE] = sa;
-                sc[RP_APPEND] = ap;
-                sc[RP_LEN] = nl;
-                sc[RP_PENDING] = np;
-                sc[RP_ALOG] = al;
-                sc[RP_BRAW] = br;
-                sc[RP_BAD] = bad ? 1u : 0u;
-            }
-            kda_u32 bytes = (kda_u32)(K * V) * sizeof(ST) + (kda_u32)(3 * K + V) * sizeof(IT) +
-                            (gated ? (kda_u32)K * 4u : 0u);
-            if (!bad) {
-                const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)s * p.ring_len * entry;
-                for (kda_u32 j = 0; j < pd; ++j) {
-                    const IT* e = ring + (size_t)j * entry;
-                    unsigned char* raw = buf + B.praw + j * 2 * RK;
-                    copy_row(raw, e + h * K, K * (int)sizeof(IT), gran, lane);
-                    copy_row(raw + RK, e + ring_off_g(p, hv), K * (int)sizeof(IT), gran, lane);
-                }
-                bytes += pd * (kda_u32)V * 4u;
-            }
-            cp_async_bar_arrive(&full[bi]);
-            KDA_SYNCWARP();
-            if (lane == 0) bulk_bar_expect(&full[bi], bytes);
-            KDA_SYNCWARP();
-            ST* const head = state_head(p, s, hv);
-            ST* const tile = reinterpret_cast<ST*>(buf);
-            for (int r = lane * TK; r < K; r += 32 * TK)
-                bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(TK * V) * sizeof(ST), &full[bi]);
-            if (!bad)
-                for (kda_u32 j = (kda_u32)lane; j < pd; j += 32u)
-                    bulk_in(buf + B.pu + j * V * 4, delta_row(p, s, j, (int)hv, 0), (kda_u32)V * 4u, &full[bi]);
-            const size_t tk = (size_t)b0 * p.h + h, tv = (size_t)b0 * p.hv + hv;
-            const kda_u32 kb = (kda_u32)K * sizeof(IT);
-            if (lane == 27) bulk_in(buf + B.k, reinterpret_cast<const IT*>(p.k) + tk * K, kb, &full[bi]);
-            if (lane == 28) bulk_in(buf + B.q, reinterpret_cast<const IT*>(p.q) + tk * K, kb, &full[bi]);
-            if (lane == 29) bulk_in(buf + B.g, reinterpret_cast<const IT*>(p.g) + tv * K, kb, &full[bi]);
-            if (lane == 30)
-                bulk_in(buf + B.v, reinterpret_cast<const IT*>(p.v) + tv * V, (kda_u32)V * sizeof(IT), &full[bi]);
-            if (lane == 31 && gated)
-                bulk_in(buf + B.bias, reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, (kda_u32)K * 4u,
-                        &full[bi]);
-        }
-    }
-}
-
-// A preparing warp: the records of the CTA's items t = w, w + nb, ... (buffer w).
-__device__ __forceinline__ void rpipe_prepare(const KdaParams& p, unsigned char* dsm, kda_u64* full,
-                                              kda_u64* prepared, kda_u32 total, int nb, int w, int lane) {
-    const RPipeBuffer B((int)p.ring_len);
+// The record of one item (a warp) and its ring append.
+__device__ __forceinline__ void rq_prepare(const KdaParams& p, kda_u32 item, int lane) {
+    const Record R((int)p.ring_len);
+    const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
+    const size_t h = kda_div(hv, p.div_grp);
     const bool gate = p.gate_mode != 0u, l2 = p.l2norm != 0u;
-    kda_u32 t = (kda_u32)w;
-    for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total; item += (kda_u32)nb * gridDim.x, t += (kda_u32)nb) {
-        unsigned char* buf = dsm + w * B.bytes;
-        mbar_wait(&full[w], (t / (kda_u32)nb) & 1u);
-        kda_u32* sc = reinterpret_cast<kda_u32*>(buf + B.scal);
-        if (sc[RP_BAD] != 0u) {
-            if (lane == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err), KDA_ERR_PIPE);
-            KDA_SYNCWARP();
-            if (lane == 0) mbar_arrive(&prepared[w]);
-            continue;
-        }
-        const int pend = (int)sc[RP_PEND];
-        const bool store = sc[RP_STORE] != KDA_NONE;
-        float kt[KR], qt[KR], gt[KR], bias[KR];
-        split_load(reinterpret_cast<const IT*>(buf + B.k), lane, kt);
-        split_load(reinterpret_cast<const IT*>(buf + B.q), lane, qt);
-        split_load(reinterpret_cast<const IT*>(buf + B.g), lane, gt);
-        if (gate) {
-            split_from(reinterpret_cast<const float*>(buf + B.bias), lane, bias);
-        } else {
+    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
+    const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+    const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
+    const volatile kda_u32* vm = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
+    const kda_u32 len = vm[0], pending = vm[1], cached = vm[3];
+    const Plan pl = plan_from(p, slot, nnew, len, pending, 0u, reinterpret_cast<kda_u32*>(p.err), hv == 0u);
+    unsigned char* rec = reinterpret_cast<unsigned char*>(p.scratch) + (size_t)item * R.bytes;
+    kda_u32* hd = reinterpret_cast<kda_u32*>(rec);
+    const bool bad = nnew != 1u || min(cached, pl.pend) != pl.pend;
+    const bool store = pl.store_after != KDA_NONE;
+    if (lane == 0) {
+        hd[RQ_SLOT] = slot;
+        hd[RQ_BOS] = bos;
+        hd[RQ_PEND] = pl.pend;
+        hd[RQ_STORE] = store ? 1u : 0u;
+        hd[RQ_APPEND] = pl.append_at;
+        hd[RQ_LEN] = pl.new_len;
+        hd[RQ_PENDING] = pl.new_pending;
+        hd[RQ_BAD] = bad ? 1u : 0u;
+        if (bad) atomicOr(reinterpret_cast<kda_u32*>(p.err), KDA_ERR_PIPE);
+    }
+    if (bad) return;
+    const int pend = (int)pl.pend;
+    // the new token's rows, dt_bias and scalars (loads issued together)
+    const size_t tk = (size_t)bos * p.h + h, tv = (size_t)bos * p.hv + hv;
+    float kt[KR], qt[KR], gt[KR], vt[KR], bias[KR];
+    split_load(reinterpret_cast<const IT*>(p.k) + tk * K, lane, kt);
+    split_load(reinterpret_cast<const IT*>(p.q) + tk * K, lane, qt);
+    split_load(reinterpret_cast<const IT*>(p.g) + tv * K, lane, gt);
+    split_load(reinterpret_cast<const IT*>(p.v) + tv * V, lane, vt);
+    if (gate) {
+        split_from(reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, lane, bias);
+    } else {
 #pragma unroll
-            for (int i = 0; i < KR; ++i) bias[i] = 0.0f;
-        }
-        const float a_exp = gate ? expf(__uint_as_float(sc[RP_ALOG])) : 0.0f;
-        split_l2(kt, l2);
-        split_l2(qt, l2);
-        float dt[KR];
+        for (int i = 0; i < KR; ++i) bias[i] = 0.0f;
+    }
+    const float a_exp = gate ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+    const kda_u32 braw = input_bits(reinterpret_cast<const IT*>(p.beta) + tv);
+    float kraw[KR];
 #pragma unroll
-        for (int i = 0; i < KR; ++i) {
-            qt[i] *= p.scale;
-            dt[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
-        }
-        const float bt = act_beta(input_from_bits(sc[RP_BRAW]), p);
-        float* rec = reinterpret_cast<float*>(buf + B.rec);
-        float *pk = rec, *pq = rec + K, *ck = rec + 2 * K, *cq = rec + 2 * K + V, *pm = rec + 2 * K + 2 * V;
-        float* ek = pm + K;
-        float rr[KR];
-        float4 c4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), e4 = c4;
-        if (!store) {
+    for (int i = 0; i < KR; ++i) kraw[i] = kt[i];
+    split_l2(kt, l2);
+    split_l2(qt, l2);
+    float dt[KR];
 #pragma unroll
-            for (int i = 0; i < KR; ++i) rr[i] = dt[i];
-            for (int j = pend - 1; j >= 0; --j) {
-                const unsigned char* raw = buf + B.praw + j * 2 * RK;
-                float kj[KR], gj[KR];
-                split_load(reinterpret_cast<const IT*>(raw), lane, kj);
-                split_load(reinterpret_cast<const IT*>(raw + RK), lane, gj);
-                split_l2(kj, l2);
+    for (int i = 0; i < KR; ++i) {
+        qt[i] *= p.scale;
+        dt[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
+    }
+    const float bt = act_beta(input_from_bits(braw), p);
+    const size_t entry = ring_entry_elems(p);
+    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    float rr[KR], rk[KR];
+    float4 c4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), e4 = c4;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) {
+        rr[i] = dt[i];
+        rk[i] = 1.0f;
+    }
+    float* ek = reinterpret_cast<float*>(rec + R.tail) + K;
+    // the pending entries, newest first, eight at a time (their rows loaded together)
+    for (int j1 = pend; j1 > 0; j1 -= 8) {
+        float kj[8][KR], gj[8][KR];
+        float4 uj[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int j = j1 - 1 - m;
+            if (j >= 0) {
+                const IT* e = ring + (size_t)j * entry;
+                ring_split(e + h * K, lane, kj[m]);
+                ring_split(e + ring_off_g(p, hv), lane, gj[m]);
+                if (!store) uj[m] = reinterpret_cast<const float4*>(delta_row(p, slot, (kda_u32)j, (int)hv, 0))[lane];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int j = j1 - 1 - m;
+            if (j < 0) continue;
+            split_l2(kj[m], l2);
+            if (!store) {
                 float c = 0.0f, e = 0.0f;
 #pragma unroll
                 for (int i = 0; i < KR; ++i) {
-                    const float x = rr[i] * kj[i];
+                    const float x = rr[i] * kj[m][i];
                     c = fmaf(kt[i], x, c);
                     e = fmaf(qt[i], x, e);
-                    rr[i] *= decay_at<sizeof(ST) == 2>(gj[i], &bias[i], p, a_exp);
+                    rr[i] *= decay_at<sizeof(ST) == 2>(gj[m][i], &bias[i], p, a_exp);
                 }
                 c = warp_sum(c);
                 e = warp_sum(e);
-                const float4 u4 = reinterpret_cast<const float4*>(buf + B.pu + j * V * 4)[lane];
+                const float4 u4 = uj[m];
                 c4 = make_float4(fmaf(c, u4.x, c4.x), fmaf(c, u4.y, c4.y), fmaf(c, u4.z, c4.z), fmaf(c, u4.w, c4.w));
                 e4 = make_float4(fmaf(e, u4.x, e4.x), fmaf(e, u4.y, e4.y), fmaf(e, u4.z, e4.z), fmaf(e, u4.w, e4.w));
-            }
-        } else {
-            // a commit: the R k rows and P of the pending entries; the new token then decays
-            // only by its own gate from the committed tile
-            float rk[KR];
-#pragma unroll
-            for (int i = 0; i < KR; ++i) rk[i] = 1.0f;
-            for (int j = pend - 1; j >= 0; --j) {
-                const unsigned char* raw = buf + B.praw + j * 2 * RK;
-                float kj[KR], gj[KR], x[KR];
-                split_load(reinterpret_cast<const IT*>(raw), lane, kj);
-                split_load(reinterpret_cast<const IT*>(raw + RK), lane, gj);
-                split_l2(kj, l2);
+            } else {
+                // a commit: the R k rows and P of the pending entries; the new token then
+                // decays only by its own gate from the committed tile
+                float x[KR];
 #pragma unroll
                 for (int i = 0; i < KR; ++i) {
-                    x[i] = rk[i] * kj[i];
-                    rk[i] *= decay_at<sizeof(ST) == 2>(gj[i], &bias[i], p, a_exp);
+                    x[i] = rk[i] * kj[m][i];
+                    rk[i] *= decay_at<sizeof(ST) == 2>(gj[m][i], &bias[i], p, a_exp);
                 }
                 split_store(ek + j * K, lane, x);
             }
-            split_store(pm, lane, rk);
-#pragma unroll
-            for (int i = 0; i < KR; ++i) rr[i] = dt[i];
         }
-        float x[KR], qk = 0.0f;
+    }
+    if (store) split_store(reinterpret_cast<float*>(rec + R.tail), lane, rk);
+    float x[KR], qk = 0.0f;
 #pragma unroll
-        for (int i = 0; i < KR; ++i) {
-            qk = fmaf(qt[i], kt[i], qk);
-            x[i] = rr[i] * kt[i];
-        }
-        split_store(pk, lane, x);
+    for (int i = 0; i < KR; ++i) {
+        qk = fmaf(qt[i], kt[i], qk);
+        x[i] = rr[i] * kt[i];
+    }
+    split_store(reinterpret_cast<float*>(rec + R.pk), lane, x);
 #pragma unroll
-        for (int i = 0; i < KR; ++i) x[i] = rr[i] * qt[i];
-        split_store(pq, lane, x);
-        reinterpret_cast<float4*>(ck)[lane] = c4;
-        reinterpret_cast<float4*>(cq)[lane] = e4;
-        qk = warp_sum(qk);
-        if (lane == 0) {
-            sc[RP_QK] = __float_as_uint(qk);
-            sc[RP_BT] = __float_as_uint(bt);
-            // the item's ring reads are done (its rows are in the buffer)
-            const kda_u32 old = atomicAdd(reinterpret_cast<kda_u32*>(p.meta) + (size_t)sc[RP_SLOT] * 4 + 2, 1u);
-            sc[RP_LAST] = old == p.hv - 1u ? 1u : 0u;
-        }
+    for (int i = 0; i < KR; ++i) x[i] = rr[i] * qt[i];
+    split_store(reinterpret_cast<float*>(rec + R.pq), lane, x);
+    reinterpret_cast<float4*>(rec + R.wu)[lane] =
+        make_float4(bt * (vt[0] - c4.x), bt * (vt[1] - c4.y), bt * (vt[2] - c4.z), bt * (vt[3] - c4.w));
+    reinterpret_cast<float4*>(rec + R.cq)[lane] = e4;
+    qk = warp_sum(qk);
+    if (lane == 0) {
+        hd[RQ_QK] = __float_as_uint(qk);
+        hd[RQ_BT] = __float_as_uint(bt);
+    }
+    if (pl.append_at != KDA_NONE) {
+        // rows no other item of this call reads (at a commit, entry 0's: this item's own g and
+        // v rows, read above by its own lanes; a GVA group's shared k row is the pipe's)
+        IT* e = const_cast<IT*>(ring) + (size_t)pl.append_at * entry;
+        split_store_raw(e + ring_off_v(p, hv) + KR * lane, vt);
+        split_store_raw(e + ring_off_g(p, hv) + KR * lane, gt);
+        if (hv == h * (p.hv / p.h) && !(store && p.hv != p.h)) split_store_raw(e + h * K + KR * lane, kraw);
+        if (lane == 0) e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(input_from_bits(braw));
+    }
+}
+
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Bytes the barrier's phase will also wait for (no arrival).
+__device__ __forceinline__ void mbar_expect(kda_u64* bar, kda_u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+// The loader warp: the tiles of the CTA's first nb items (before the wait), then, item by item,
+// its record (and a commit's delta vectors) and the next items' tiles as buffers free up.
+__device__ __forceinline__ void rpipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
+                                           kda_u32 total, int nb, int lane) {
+    const Record R((int)p.ring_len);
+    const RPipeBuffer B(R, (int)p.ring_len);
+    const kda_u32 step = gridDim.x;
+    const kda_u32 cnt = blockIdx.x < total ? (total - blockIdx.x + step - 1u) / step : 0u;
+    const unsigned char* recs = reinterpret_cast<const unsigned char*>(p.scratch);
+    auto tile_in = [&](kda_u32 t, kda_u32 slot) {
+        const kda_u32 item = blockIdx.x + t * step;
+        const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
+        const int bi = (int)(t % (kda_u32)nb);
+        if (lane == 0) mbar_expect(&full[bi], (kda_u32)(K * V) * sizeof(ST));
         KDA_SYNCWARP();
-        if (lane == 0) mbar_arrive(&prepared[w]);
+        ST* const head = state_head(p, slot, hv);
+        ST* const tile = reinterpret_cast<ST*>(dsm + bi * B.bytes);
+        for (int r = lane * TK; r < K; r += 32 * TK)
+            bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(TK * V) * sizeof(ST), &full[bi]);
+    };
+    const kda_u32 pre = min(cnt, (kda_u32)nb);
+    {
+        kda_u32 slot = 0u;
+        if ((kda_u32)lane < pre) {
+            const kda_u32 item = blockIdx.x + (kda_u32)lane * step;
+            slot = reinterpret_cast<const kda_u32*>(p.slots)[kda_div(item, p.div_seq)];
+        }
+        for (kda_u32 t = 0; t < pre; ++t) tile_in(t, KDA_SHFL(slot, (int)t));
+    }
+    KDA_DEPENDENT_LAUNCH();
+    for (kda_u32 t0 = 0; t0 < cnt; t0 += 32u) {
+        const kda_u32 mine = t0 + (kda_u32)lane;
+        kda_u32 slot = 0u, pend = 0u, fold = 0u, bad = 1u;
+        if (mine < cnt) {
+            const kda_u32* hd = reinterpret_cast<const kda_u32*>(recs + (size_t)(blockIdx.x + mine * step) * R.bytes);
+            slot = __ldcg(hd + RQ_SLOT);
+            pend = __ldcg(hd + RQ_PEND);
+            fold = __ldcg(hd + RQ_STORE);
+            bad = __ldcg(hd + RQ_BAD);
+        }
+        const kda_u32 m = min(32u, cnt - t0);
+        for (kda_u32 i = 0; i < m; ++i) {
+            const kda_u32 t = t0 + i, item = blockIdx.x + t * step;
+            const kda_u32 s = KDA_SHFL(slot, (int)i), pd = KDA_SHFL(pend, (int)i);
+            const bool bd = KDA_SHFL(bad, (int)i) != 0u, fd = !bd && KDA_SHFL(fold, (int)i) != 0u && pd > 0u;
+            const int bi = (int)(t % (kda_u32)nb);
+            if (t >= (kda_u32)nb) {
+                mbar_wait(&empty[bi], (t / (kda_u32)nb - 1u) & 1u);
+                tile_in(t, s);
+            }
+            const kda_u32 tail = (kda_u32)(4 * K) * (1u + pd);
+            const kda_u32 bytes = (kda_u32)R.head_bytes + (fd ? tail + pd * (kda_u32)V * 4u : 0u);
+            if (lane == 0) bulk_bar_expect(&full[bi], bytes);
+            KDA_SYNCWARP();
+            unsigned char* buf = dsm + bi * B.bytes;
+            const unsigned char* src = recs + (size_t)item * R.bytes;
+            if (lane == 0) bulk_in(buf + B.rec, src, (kda_u32)R.head_bytes, &full[bi]);
+            if (fd) {
+                const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
+                if (lane == 1) bulk_in(buf + B.rec + R.tail, src + R.tail, tail, &full[bi]);
+                for (kda_u32 j = (kda_u32)lane; j < pd; j += 32u)
+                    bulk_in(buf + B.u + j * V * 4, delta_row(p, s, j, (int)hv, 0), (kda_u32)V * 4u, &full[bi]);
+            }
+        }
     }
 }
 
 // A step group: the CTA's items t = g, g + 2, ...
-__device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* dsm, kda_u64* prepared,
+__device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* dsm, kda_u64* full,
                                            kda_u64* computed, kda_u32 total, int nb, int gw, int lane) {
-    const RPipeBuffer B((int)p.ring_len);
+    const Record R((int)p.ring_len);
+    const RPipeBuffer B(R, (int)p.ring_len);
     const int group = gw / PIPE_WARPS, warp = gw % PIPE_WARPS, tid = gw % PIPE_WARPS * 32 + lane;
     const int lk = lane / LV, lv = lane % LV;
     const int col0l = warp * WC + lv * TV;
@@ -1175,18 +1177,22 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
          item += (kda_u32)RP_GROUPS * gridDim.x, t += (kda_u32)RP_GROUPS) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * B.bytes;
-        mbar_wait(&prepared[bi], (t / (kda_u32)nb) & 1u);
-        const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + B.scal);
-        if (sc[RP_BAD] == 0u) {
+        mbar_wait(&full[bi], (t / (kda_u32)nb) & 1u);
+        const unsigned char* rec = buf + B.rec;
+        const kda_u32* sc = reinterpret_cast<const kda_u32*>(rec);
+        if (sc[RQ_BAD] == 0u) {
             const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
-            const kda_u32 slot = sc[RP_SLOT], bos = sc[RP_BOS], append_at = sc[RP_APPEND];
-            const int pend = (int)sc[RP_PEND];
-            const bool store = sc[RP_STORE] != KDA_NONE;
-            const float qk = __uint_as_float(sc[RP_QK]), bt = __uint_as_float(sc[RP_BT]);
-            const float* rec = reinterpret_cast<const float*>(buf + B.rec);
-            const float *pk = rec, *pq = rec + K, *ck = rec + 2 * K, *cq = rec + 2 * K + V, *pm = rec + 2 * K + 2 * V;
+            const kda_u32 slot = sc[RQ_SLOT], bos = sc[RQ_BOS], append_at = sc[RQ_APPEND];
+            const int pend = (int)sc[RQ_PEND];
+            const bool store = sc[RQ_STORE] != 0u;
+            const float qk = __uint_as_float(sc[RQ_QK]), bt = __uint_as_float(sc[RQ_BT]);
+            const float* pk = reinterpret_cast<const float*>(rec + R.pk);
+            const float* pq = reinterpret_cast<const float*>(rec + R.pq);
+            const float* wu = reinterpret_cast<const float*>(rec + R.wu);
+            const float* cq = reinterpret_cast<const float*>(rec + R.cq);
+            const float* pm = reinterpret_cast<const float*>(rec + R.tail);
             const float* ek = pm + K;
-            const float* ua = reinterpret_cast<const float*>(buf + B.pu);
+            const float* ua = reinterpret_cast<const float*>(buf + B.u);
             ST* const bl = reinterpret_cast<ST*>(buf) + lk * WC;
             float ak[TV], aq[TV];
 #pragma unroll
@@ -1227,11 +1233,10 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
             }
             reduce_k(ak);
             reduce_k(aq);
-            const IT* vr = reinterpret_cast<const IT*>(buf + B.v);
             float u[TV], o[TV];
 #pragma unroll
             for (int c = 0; c < TV; ++c) {
-                u[c] = bt * (kda_load(vr[col0l + c]) - (ak[c] + ck[col0l + c]));
+                u[c] = fmaf(-bt, ak[c], wu[col0l + c]);
                 o[c] = fmaf(qk, u[c], aq[c] + cq[col0l + c]);
             }
             if (lk == 0) {
@@ -1241,37 +1246,18 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
                         make_float4(u[0], u[1], u[2], u[3]);
             }
             const size_t h = kda_div(hv, p.div_grp);
-            if (!store && append_at != KDA_NONE) {
-                IT* e = reinterpret_cast<IT*>(p.ring) + ((size_t)slot * p.ring_len + append_at) * entry;
-                const IT* kr = reinterpret_cast<const IT*>(buf + B.k);
-                const IT* gr = reinterpret_cast<const IT*>(buf + B.g);
-                if (tid < V) e[ring_off_v(p, hv) + tid] = vr[tid];
-                if (tid < K && hv == h * (p.hv / p.h)) e[h * K + tid] = kr[tid];
-                if (tid >= 128 && tid < 128 + K) e[ring_off_g(p, hv) + (tid - 128)] = gr[tid - 128];
-                if (tid == 255)
-                    e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(input_from_bits(sc[RP_BRAW]));
+            if (store && append_at != KDA_NONE && p.hv != p.h && hv == h * (p.hv / p.h) && tid < K) {
+                // a commit's new entry 0: the GVA group's k row, which the prep kernel's items of
+                // the group read there
+                IT* e = reinterpret_cast<IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+                e[h * K + tid] = reinterpret_cast<const IT*>(p.k)[((size_t)bos * p.h + h) * K + tid];
             }
-            if (sc[RP_LAST] != 0u) {
+            if (hv == 0u && tid == 0) {
                 kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
-                if (tid == 0) {
-                    meta[0] = sc[RP_LEN];
-                    meta[1] = sc[RP_PENDING];
-                    meta[2] = 0u;
-                    meta[3] = sc[RP_LEN];
-                }
-                if (store && append_at != KDA_NONE) {
-                    // the slot's new entry 0, every head (every item of the slot has read its rows)
-                    IT* e = reinterpret_cast<IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
-                    const size_t hk = (size_t)p.h * K, hvv = (size_t)p.hv * V, hvk = (size_t)p.hv * K;
-                    for (size_t i = (size_t)tid; i < hk; i += 256)
-                        e[i] = reinterpret_cast<const IT*>(p.k)[(size_t)bos * hk + i];
-                    for (size_t i = (size_t)tid; i < hvv; i += 256)
-                        e[ring_off_v(p, 0) + i] = reinterpret_cast<const IT*>(p.v)[(size_t)bos * hvv + i];
-                    for (size_t i = (size_t)tid; i < hvk; i += 256)
-                        e[ring_off_g(p, 0) + i] = reinterpret_cast<const IT*>(p.g)[(size_t)bos * hvk + i];
-                    for (size_t i = (size_t)tid; i < p.hv; i += 256)
-                        e[ring_off_beta(p, i)] = reinterpret_cast<const IT*>(p.beta)[(size_t)bos * p.hv + i];
-                }
+                meta[0] = sc[RQ_LEN];
+                meta[1] = sc[RQ_PENDING];
+                meta[2] = 0u;
+                meta[3] = sc[RQ_LEN];
             }
             bulk_fence();
         }
@@ -1285,16 +1271,17 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
 // The storer warp: a committed tile back to its head, then the buffer freed.
 __device__ __forceinline__ void rpipe_store(const KdaParams& p, unsigned char* dsm, kda_u64* computed,
                                             kda_u64* empty, kda_u32 total, int nb, int lane) {
-    const RPipeBuffer B((int)p.ring_len);
+    const Record R((int)p.ring_len);
+    const RPipeBuffer B(R, (int)p.ring_len);
     kda_u32 t = 0;
     for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * B.bytes;
         mbar_wait(&computed[bi], (t / (kda_u32)nb) & 1u);
-        const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + B.scal);
-        if (sc[RP_BAD] == 0u && sc[RP_STORE] != KDA_NONE && sc[RP_PEND] > 0u) {
+        const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + B.rec);
+        if (sc[RQ_BAD] == 0u && sc[RQ_STORE] != 0u && sc[RQ_PEND] > 0u) {
             const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
-            ST* const head = state_head(p, sc[RP_SLOT], hv);
+            ST* const head = state_head(p, sc[RQ_SLOT], hv);
             const ST* const tile = reinterpret_cast<const ST*>(buf);
             for (int r = lane * TK; r < K; r += 32 * TK)
                 bulk_out(head + (size_t)r * V, tile + bulk_row(r, V), (kda_u32)(TK * V) * sizeof(ST));
@@ -1307,33 +1294,40 @@ __device__ __forceinline__ void rpipe_store(const KdaParams& p, unsigned char* d
 #endif
 } // namespace kda
 
+extern "C" __global__ void __launch_bounds__(kda::RQ_THREADS) kda_ring_delta_prep(const KdaParams p) {
+    using namespace kda;
+    if constexpr (LEAN_FITS && !VFIRST) {
+        KDA_DEPENDENT_LAUNCH();
+        const kda_u32 item = blockIdx.x * RQ_WARPS + (threadIdx.x >> 5);
+        if (item < p.n_seqs * p.hv) rq_prepare(p, item, (int)(threadIdx.x & 31));
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kda::RP_THREADS, 1) kda_ring_delta_pipe(const KdaParams p) {
 #if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using namespace kda;
     if constexpr (LEAN_FITS && !VFIRST) {
         extern __shared__ __align__(16) unsigned char rp_dsm[];
-        __shared__ kda_u64 full[RP_MAX_BUFFERS], prepared[RP_MAX_BUFFERS], computed[RP_MAX_BUFFERS],
-            empty[RP_MAX_BUFFERS];
+        __shared__ kda_u64 full[RP_MAX_BUFFERS], computed[RP_MAX_BUFFERS], empty[RP_MAX_BUFFERS];
         unsigned char* const dsm = rp_dsm + ((PIPE_ALIGN - (smem_addr(rp_dsm) & (PIPE_ALIGN - 1))) & (PIPE_ALIGN - 1));
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int nb = cmin((int)p.stages, RP_MAX_BUFFERS);
         const kda_u32 total = p.n_seqs * p.hv;
         if (threadIdx.x < (unsigned)nb) {
             bulk_bar_init(&full[threadIdx.x]);
-            bulk_bar_init(&prepared[threadIdx.x]);
             bulk_bar_init(&computed[threadIdx.x]);
             bulk_bar_init(&empty[threadIdx.x]);
         }
         __syncthreads();
-        KDA_DEPENDENT_LAUNCH();
         constexpr int steps = RP_GROUPS * PIPE_WARPS;
         if (warp < steps) {
-            rpipe_step(p, dsm, prepared, computed, total, nb, warp, lane);
-        } else if (warp < steps + RP_PREP) {
-            if (warp - steps < nb) rpipe_prepare(p, dsm, full, prepared, total, nb, warp - steps, lane);
-        } else if (warp == steps + RP_PREP) {
+            KDA_DEPENDENT_LAUNCH();
+            rpipe_step(p, dsm, full, computed, total, nb, warp, lane);
+        } else if (warp == steps) {
+            // (its own wait, after the first tiles' copies)
             rpipe_load(p, dsm, full, empty, total, nb, lane);
         } else {
+            KDA_DEPENDENT_LAUNCH();
             rpipe_store(p, dsm, computed, empty, total, nb, lane);
         }
     }

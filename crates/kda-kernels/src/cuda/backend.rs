@@ -26,8 +26,8 @@ use super::params::{
     ERR_META, ERR_PIPE, NO_SLOT,
 };
 use super::registry::{
-    eager_kernel, eager_tile_kernel, ring_kernel, ring_tile_kernel, step_kernel, warm_up, StepKey,
-    TileMove,
+    eager_kernel, eager_tile_kernel, ring_kernel, ring_prep_kernel, ring_tile_kernel, step_kernel,
+    warm_up, StepKey, TileMove,
 };
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
@@ -67,6 +67,8 @@ pub struct CudaBackend {
     mem: CudaMemory,
     /// `u32 [4]`: flags, first bad slot, any store, spare.
     err: Mutex<CudaBuffer>,
+    /// `kda_ring_delta_prep`'s item records (grown to the biggest call that needed them).
+    records: Mutex<Option<CudaBuffer>>,
     /// Warps per CTA of eager decode (`None`: chosen per call).
     eager_warps: Mutex<Option<u32>>,
     /// The eager-decode kernel asked for (`None`: chosen per call).
@@ -644,18 +646,28 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
     })
 }
 
-/// Threads of a `kda_ring_delta_pipe` CTA (`RP_THREADS`: two step groups of eight warps, four
-/// preparing warps, a loader and a storer).
-const DELTA_PIPE_THREADS: usize = (2 * 8 + 4 + 2) * 32;
+/// Threads of a `kda_ring_delta_pipe` CTA (`RP_THREADS`: two step groups of eight warps, a
+/// loader and a storer).
+const DELTA_PIPE_THREADS: usize = (2 * 8 + 2) * 32;
 /// Most buffers of a `kda_ring_delta_pipe` CTA (`RP_MAX_BUFFERS`).
 const DELTA_PIPE_BUFFERS: usize = 4;
+/// Items (one a warp) of a `kda_ring_delta_prep` CTA (`RQ_WARPS`).
+const DELTA_PREP_ITEMS: usize = 4;
 
-/// The launch of `kda_ring_delta_pipe` ([`RingKernel::DeltaPipe`]): ring decode of a K-first
-/// pool with K = V = 128, a delta plane and nearest rounding, on a device with bulk copies; as
-/// many buffers (`RPipeBuffer` in `kernels/kda_ring_delta.cu`, mirrored here) as fit shared
-/// memory, up to four and a multiple of its two step groups (`stages`).
+/// Bytes of one item's record from `kda_ring_delta_prep` (`Record` in
+/// `kernels/kda_ring_delta.cu`): 16 header words, P k, P q, two value rows (f32), then from a
+/// 128-byte boundary a commit's P and R k rows.
+fn delta_record_bytes(k: usize, v: usize, ring_len: usize) -> usize {
+    let r128 = |x: usize| x.div_ceil(128) * 128;
+    r128(r128(64 + 8 * k + 8 * v) + 4 * k * (1 + ring_len))
+}
+
+/// The launch of `kda_ring_delta_pipe` ([`RingKernel::DeltaPipe`], after `kda_ring_delta_prep`):
+/// ring decode of a K-first pool with K = V = 128, a delta plane and nearest rounding, on a
+/// device with bulk copies; as many buffers (`RPipeBuffer` in `kernels/kda_ring_delta.cu`,
+/// mirrored here: the bulk tile, the record, a commit's delta vectors) as fit shared memory, up
+/// to four and a multiple of its two step groups (`stages`).
 fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
-    let r16 = |x: usize| x.div_ceil(16) * 16;
     if !(s.decode
         && s.max_new <= 1
         && s.deltas
@@ -668,30 +680,13 @@ fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
     {
         return None;
     }
-    let isz = s.input_size;
-    let gran = [s.entry_bytes, s.k * isz, s.v * isz]
-        .iter()
-        .map(|q| 1usize << q.trailing_zeros().min(4))
-        .min()
-        .unwrap_or(16);
-    if gran < 4 {
-        return None;
-    }
-    let rk = r16(s.k * isz);
-    // the bulk tile (LK x WC = 8 x 16 elements of padding), the new token's rows and dt_bias,
-    // the pending entries' raw rows and vectors, the record, the scalar words
-    let tile = r16((s.k * s.v + 128) * s.state_size);
-    let scal = tile
-        + 3 * rk
-        + r16(s.v * isz)
-        + 4 * s.k
-        + s.ring_len * (2 * rk + 4 * s.v)
-        + 4 * (3 * s.k + 2 * s.v + s.ring_len * s.k);
-    let bytes = (scal + 4 * 16).div_ceil(128) * 128;
-    // static: four barriers per buffer; dynamic: the buffers from a 128-byte boundary
+    let r128 = |x: usize| x.div_ceil(128) * 128;
+    let tile = r128((s.k * s.v + 128) * s.state_size);
+    let bytes = r128(tile + delta_record_bytes(s.k, s.v, s.ring_len) + s.ring_len * s.v * 4);
+    // static: three barriers per buffer; dynamic: the buffers from a 128-byte boundary
     let fit = s
         .smem_optin
-        .saturating_sub(4 * 8 * DELTA_PIPE_BUFFERS + PIPE_ALIGN)
+        .saturating_sub(3 * 8 * DELTA_PIPE_BUFFERS + PIPE_ALIGN)
         / bytes;
     let nb = DELTA_PIPE_BUFFERS.min(fit);
     let nb = nb - nb % 2;
@@ -699,7 +694,7 @@ fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
         kernel: RingKernel::DeltaPipe,
         mt: s.ring_len + 1,
         mq: 1,
-        gran,
+        gran: 0,
         vblocks: 1,
         smem: nb * bytes + PIPE_ALIGN,
         stages: nb,
@@ -881,6 +876,7 @@ impl CudaBackend {
             ctx,
             mem,
             err: Mutex::new(err),
+            records: Mutex::new(None),
             eager_warps: Mutex::new(None),
             eager_kernel: Mutex::new(None),
             eager_stages: Mutex::new(None),
@@ -1364,6 +1360,18 @@ impl CudaBackend {
             ));
         }
         let err = self.err.lock();
+        let delta_pipe = ring_pipe.is_some_and(|rp| rp.kernel == RingKernel::DeltaPipe);
+        let mut records = self.records.lock();
+        if delta_pipe {
+            let need = items * delta_record_bytes(g.k, g.v, g.ring_len);
+            if records.as_ref().is_none_or(|b| b.len() < need) {
+                *records = Some(
+                    self.mem
+                        .alloc_zeroed(need)
+                        .map_err(|e| device_err("kda_ring_delta_prep records", e))?,
+                );
+            }
+        }
         let inputs = call.inputs;
         let (a_log, dt_bias) = match inputs {
             Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),
@@ -1392,6 +1400,10 @@ impl CudaBackend {
             slots: ptr(&call.batch.slots),
             accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
             err: ptr(&err),
+            scratch: match (delta_pipe, records.as_ref()) {
+                (true, Some(r)) => ptr(r),
+                _ => 0,
+            },
             n_seqs: n as u32,
             h: g.h as u32,
             hv: g.hv as u32,
@@ -1433,6 +1445,23 @@ impl CudaBackend {
             block_dim: (warps as u32 * 32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
+        if delta_pipe {
+            // the records first: one warp per item; the pipe then starts as its dependent
+            // (its first tiles' copies overlap the records; the prep kernel writes no state
+            // and lets it start only after its own wait)
+            let prep = ring_prep_kernel(&self.ctx, key)?;
+            let pcfg = LaunchConfig {
+                grid_dim: (items.div_ceil(DELTA_PREP_ITEMS) as u32, 1, 1),
+                block_dim: (DELTA_PREP_ITEMS as u32 * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as for the pipe's launch below (the same parameters; `scratch` holds a record
+            // of `delta_record_bytes` for each of the `items` items, which `pcfg` covers at
+            // one warp each).
+            unsafe { launch_kda(s, &prep, pcfg, &params, dependent) }
+                .map_err(|e| device_err("kda_ring_delta_prep launch", e))?;
+        }
+        let dependent = dependent || (delta_pipe && self.has_dependent_launch);
         // SAFETY: `params` matches the kernel's `struct KdaParams` (size checked at compile
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
@@ -1443,7 +1472,9 @@ impl CudaBackend {
         // their copies against the shape (`eager_plan`, `ring_plan`); every KDA kernel runs
         // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs, before any access
         // that could see the previous grid's writes (before it: the host-written slots and
-        // sequence bounds, and L2 prefetches with `early`).
+        // sequence bounds, and L2 prefetches with `early`; kda_ring_delta_pipe's loader also
+        // copies its first tiles of state, which its prerequisite, kda_ring_delta_prep, never
+        // writes and lets it start only after the prep kernel's own wait).
         unsafe { launch_kda(s, &func, cfg, &params, dependent) }
             .map_err(|e| device_err(&format!("{name} launch"), e))?;
         Ok(())
@@ -2281,8 +2312,10 @@ mod tests {
             max_new: 1,
             ..ring_shape(state_size, 8, 1)
         };
-        // 2-byte: four buffers of 49536 bytes; fp32: two of 82560 (bf16 inputs, ring 8)
-        for (size, nb, bytes) in [(2, 4, 49_536), (4, 2, 82_560)] {
+        // a record of 2176 + 9 x 512 bytes (ring 8); 2-byte: four buffers of 43904 bytes (the
+        // tile's 33024, the record, eight delta vectors), fp32: two of 76928
+        assert_eq!(delta_record_bytes(128, 128, 8), 6784);
+        for (size, nb, bytes) in [(2, 4, 43_904), (4, 2, 76_928)] {
             let p = ring_plan(&decode(size), RingKernel::DeltaPipe).expect("fits");
             assert_eq!(
                 (p.stages, p.smem),

@@ -66,6 +66,7 @@ enum Key {
     RingDelta(StepKey),
     RingDeltaStaged(StepKey),
     RingDeltaPipe(StepKey),
+    RingDeltaPrep(StepKey),
     Fill,
     Copy,
 }
@@ -89,6 +90,7 @@ impl Key {
             Key::RingDelta(_) => "kda_ring_delta",
             Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
             Key::RingDeltaPipe(_) => "kda_ring_delta_pipe",
+            Key::RingDeltaPrep(_) => "kda_ring_delta_prep",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -111,13 +113,14 @@ impl Key {
             | Key::RingMma(k)
             | Key::RingDelta(k)
             | Key::RingDeltaStaged(k)
-            | Key::RingDeltaPipe(k) => ModuleKey::Step(k),
+            | Key::RingDeltaPipe(k)
+            | Key::RingDeltaPrep(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (fifteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (sixteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -126,7 +129,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 15] {
+fn step_module(k: StepKey) -> [Key; 16] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -143,6 +146,7 @@ fn step_module(k: StepKey) -> [Key; 15] {
         Key::RingDelta(k),
         Key::RingDeltaStaged(k),
         Key::RingDeltaPipe(k),
+        Key::RingDeltaPrep(k),
     ]
 }
 
@@ -412,6 +416,12 @@ pub(crate) fn ring_tile_kernel(
     Ok((get(ctx, k)?, k.entry()))
 }
 
+/// `kda_ring_delta_prep` specialised on `key` (same module as `kda_step`): the item records
+/// `kda_ring_delta_pipe` reads, launched just before it.
+pub(crate) fn ring_prep_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+    get(ctx, Key::RingDeltaPrep(key))
+}
+
 /// The `kda_fill` kernel.
 pub(crate) fn fill_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
     get(ctx, Key::Fill)
@@ -486,7 +496,8 @@ mod tests {
                 "kda_ring_mma",
                 "kda_ring_delta",
                 "kda_ring_delta_staged",
-                "kda_ring_delta_pipe"
+                "kda_ring_delta_pipe",
+                "kda_ring_delta_prep"
             ]
         );
     }
