@@ -910,6 +910,10 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring_delta_staged(c
 namespace kda {
 constexpr int RQ_WARPS = 4; // kda_ring_delta_prep: items (one a warp) per CTA
 constexpr int RQ_THREADS = RQ_WARPS * 32;
+// kda_ring_delta_prep: CTAs per SM it is built for (at most 80 registers, so that one fits
+// beside a kda_ring_delta_pipe CTA), and pending entries whose rows a warp loads at once
+constexpr int RQ_MIN_CTAS = 6;
+constexpr int RQ_ROWS = 2;
 constexpr int RP_GROUPS = 2;
 constexpr int RP_THREADS = (RP_GROUPS * PIPE_WARPS + 2) * 32;
 constexpr int RP_MAX_BUFFERS = 4;
@@ -947,6 +951,62 @@ __device__ __forceinline__ void ring_split(const IT* row, int lane, float (&x)[K
     for (int i = 0; i < KR; ++i) x[i] = kda_load(row[KR * lane + i]);
 }
 
+// The pending entries of an item, newest first, RQ_ROWS at a time (their rows loaded together).
+// Not COMMIT: rr = R_t,j (starting from the new token's decay) and the pair sums' corrections
+// c4 = sum_j c_tj u_j, e4 = sum_j e_tj u_j (the lane's four columns). COMMIT: rr = R k's
+// running product (starting from 1) and the R k rows into ek; rr ends as P.
+template <bool COMMIT>
+__device__ __forceinline__ void rq_pending(const KdaParams& p, const IT* ring, kda_u32 slot, size_t h, kda_u32 hv,
+                                           int pend, int lane, const float (&kt)[KR], const float (&qt)[KR],
+                                           const float (&bias)[KR], float a_exp, float (&rr)[KR], float4& c4,
+                                           float4& e4, float* ek) {
+    const size_t entry = ring_entry_elems(p);
+    const bool l2 = p.l2norm != 0u;
+    for (int j1 = pend; j1 > 0; j1 -= RQ_ROWS) {
+        float kj[RQ_ROWS][KR], gj[RQ_ROWS][KR];
+        float4 uj[RQ_ROWS];
+#pragma unroll
+        for (int m = 0; m < RQ_ROWS; ++m) {
+            const int j = j1 - 1 - m;
+            if (j >= 0) {
+                const IT* e = ring + (size_t)j * entry;
+                ring_split(e + h * K, lane, kj[m]);
+                ring_split(e + ring_off_g(p, hv), lane, gj[m]);
+                if (!COMMIT) uj[m] = reinterpret_cast<const float4*>(delta_row(p, slot, (kda_u32)j, (int)hv, 0))[lane];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < RQ_ROWS; ++m) {
+            const int j = j1 - 1 - m;
+            if (j < 0) continue;
+            split_l2(kj[m], l2);
+            if constexpr (!COMMIT) {
+                float c = 0.0f, e = 0.0f;
+#pragma unroll
+                for (int i = 0; i < KR; ++i) {
+                    const float x = rr[i] * kj[m][i];
+                    c = fmaf(kt[i], x, c);
+                    e = fmaf(qt[i], x, e);
+                    rr[i] *= decay_at<sizeof(ST) == 2>(gj[m][i], &bias[i], p, a_exp);
+                }
+                c = warp_sum(c);
+                e = warp_sum(e);
+                const float4 u4 = uj[m];
+                c4 = make_float4(fmaf(c, u4.x, c4.x), fmaf(c, u4.y, c4.y), fmaf(c, u4.z, c4.z), fmaf(c, u4.w, c4.w));
+                e4 = make_float4(fmaf(e, u4.x, e4.x), fmaf(e, u4.y, e4.y), fmaf(e, u4.z, e4.z), fmaf(e, u4.w, e4.w));
+            } else {
+                float x[KR];
+#pragma unroll
+                for (int i = 0; i < KR; ++i) {
+                    x[i] = rr[i] * kj[m][i];
+                    rr[i] *= decay_at<sizeof(ST) == 2>(gj[m][i], &bias[i], p, a_exp);
+                }
+                split_store(ek + j * K, lane, x);
+            }
+        }
+    }
+}
+
 // The record of one item (a warp) and its ring append.
 __device__ __forceinline__ void rq_prepare(const KdaParams& p, kda_u32 item, int lane) {
     const Record R((int)p.ring_len);
@@ -976,13 +1036,16 @@ __device__ __forceinline__ void rq_prepare(const KdaParams& p, kda_u32 item, int
     }
     if (bad) return;
     const int pend = (int)pl.pend;
-    // the new token's rows, dt_bias and scalars (loads issued together)
+    // the new token's rows, dt_bias and scalars (loads issued together; the raw rows are read
+    // again at the end, from L1, for the append)
     const size_t tk = (size_t)bos * p.h + h, tv = (size_t)bos * p.hv + hv;
-    float kt[KR], qt[KR], gt[KR], vt[KR], bias[KR];
-    split_load(reinterpret_cast<const IT*>(p.k) + tk * K, lane, kt);
+    const IT* krow = reinterpret_cast<const IT*>(p.k) + tk * K;
+    const IT* grow = reinterpret_cast<const IT*>(p.g) + tv * K;
+    const IT* vrow = reinterpret_cast<const IT*>(p.v) + tv * V;
+    float kt[KR], qt[KR], gt[KR], bias[KR];
+    split_load(krow, lane, kt);
     split_load(reinterpret_cast<const IT*>(p.q) + tk * K, lane, qt);
-    split_load(reinterpret_cast<const IT*>(p.g) + tv * K, lane, gt);
-    split_load(reinterpret_cast<const IT*>(p.v) + tv * V, lane, vt);
+    split_load(grow, lane, gt);
     if (gate) {
         split_from(reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, lane, bias);
     } else {
@@ -991,75 +1054,29 @@ __device__ __forceinline__ void rq_prepare(const KdaParams& p, kda_u32 item, int
     }
     const float a_exp = gate ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
     const kda_u32 braw = input_bits(reinterpret_cast<const IT*>(p.beta) + tv);
-    float kraw[KR];
-#pragma unroll
-    for (int i = 0; i < KR; ++i) kraw[i] = kt[i];
     split_l2(kt, l2);
     split_l2(qt, l2);
-    float dt[KR];
+    float rr[KR];
 #pragma unroll
     for (int i = 0; i < KR; ++i) {
         qt[i] *= p.scale;
-        dt[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
+        rr[i] = store ? 1.0f : decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
     }
-    const float bt = act_beta(input_from_bits(braw), p);
     const size_t entry = ring_entry_elems(p);
-    const IT* ring = reinterpret_cast<const IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
-    float rr[KR], rk[KR];
+    IT* ring = reinterpret_cast<IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
     float4 c4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), e4 = c4;
+    if (store) {
+        // a commit: P and the R k rows of the pending entries; the new token then decays only
+        // by its own gate from the committed tile
+        rq_pending<true>(p, ring, slot, h, hv, pend, lane, kt, qt, bias, a_exp, rr, c4, e4,
+                         reinterpret_cast<float*>(rec + R.tail) + K);
+        split_store(reinterpret_cast<float*>(rec + R.tail), lane, rr);
+        split_load(grow, lane, gt);
 #pragma unroll
-    for (int i = 0; i < KR; ++i) {
-        rr[i] = dt[i];
-        rk[i] = 1.0f;
+        for (int i = 0; i < KR; ++i) rr[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
+    } else {
+        rq_pending<false>(p, ring, slot, h, hv, pend, lane, kt, qt, bias, a_exp, rr, c4, e4, nullptr);
     }
-    float* ek = reinterpret_cast<float*>(rec + R.tail) + K;
-    // the pending entries, newest first, eight at a time (their rows loaded together)
-    for (int j1 = pend; j1 > 0; j1 -= 8) {
-        float kj[8][KR], gj[8][KR];
-        float4 uj[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            const int j = j1 - 1 - m;
-            if (j >= 0) {
-                const IT* e = ring + (size_t)j * entry;
-                ring_split(e + h * K, lane, kj[m]);
-                ring_split(e + ring_off_g(p, hv), lane, gj[m]);
-                if (!store) uj[m] = reinterpret_cast<const float4*>(delta_row(p, slot, (kda_u32)j, (int)hv, 0))[lane];
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            const int j = j1 - 1 - m;
-            if (j < 0) continue;
-            split_l2(kj[m], l2);
-            if (!store) {
-                float c = 0.0f, e = 0.0f;
-#pragma unroll
-                for (int i = 0; i < KR; ++i) {
-                    const float x = rr[i] * kj[m][i];
-                    c = fmaf(kt[i], x, c);
-                    e = fmaf(qt[i], x, e);
-                    rr[i] *= decay_at<sizeof(ST) == 2>(gj[m][i], &bias[i], p, a_exp);
-                }
-                c = warp_sum(c);
-                e = warp_sum(e);
-                const float4 u4 = uj[m];
-                c4 = make_float4(fmaf(c, u4.x, c4.x), fmaf(c, u4.y, c4.y), fmaf(c, u4.z, c4.z), fmaf(c, u4.w, c4.w));
-                e4 = make_float4(fmaf(e, u4.x, e4.x), fmaf(e, u4.y, e4.y), fmaf(e, u4.z, e4.z), fmaf(e, u4.w, e4.w));
-            } else {
-                // a commit: the R k rows and P of the pending entries; the new token then
-                // decays only by its own gate from the committed tile
-                float x[KR];
-#pragma unroll
-                for (int i = 0; i < KR; ++i) {
-                    x[i] = rk[i] * kj[m][i];
-                    rk[i] *= decay_at<sizeof(ST) == 2>(gj[m][i], &bias[i], p, a_exp);
-                }
-                split_store(ek + j * K, lane, x);
-            }
-        }
-    }
-    if (store) split_store(reinterpret_cast<float*>(rec + R.tail), lane, rk);
     float x[KR], qk = 0.0f;
 #pragma unroll
     for (int i = 0; i < KR; ++i) {
@@ -1070,6 +1087,9 @@ __device__ __forceinline__ void rq_prepare(const KdaParams& p, kda_u32 item, int
 #pragma unroll
     for (int i = 0; i < KR; ++i) x[i] = rr[i] * qt[i];
     split_store(reinterpret_cast<float*>(rec + R.pq), lane, x);
+    const float bt = act_beta(input_from_bits(braw), p);
+    float vt[KR];
+    split_load(vrow, lane, vt);
     reinterpret_cast<float4*>(rec + R.wu)[lane] =
         make_float4(bt * (vt[0] - c4.x), bt * (vt[1] - c4.y), bt * (vt[2] - c4.z), bt * (vt[3] - c4.w));
     reinterpret_cast<float4*>(rec + R.cq)[lane] = e4;
@@ -1081,10 +1101,14 @@ __device__ __forceinline__ void rq_prepare(const KdaParams& p, kda_u32 item, int
     if (pl.append_at != KDA_NONE) {
         // rows no other item of this call reads (at a commit, entry 0's: this item's own g and
         // v rows, read above by its own lanes; a GVA group's shared k row is the pipe's)
-        IT* e = const_cast<IT*>(ring) + (size_t)pl.append_at * entry;
+        IT* e = ring + (size_t)pl.append_at * entry;
         split_store_raw(e + ring_off_v(p, hv) + KR * lane, vt);
+        split_load(grow, lane, gt);
         split_store_raw(e + ring_off_g(p, hv) + KR * lane, gt);
-        if (hv == h * (p.hv / p.h) && !(store && p.hv != p.h)) split_store_raw(e + h * K + KR * lane, kraw);
+        if (hv == h * (p.hv / p.h) && !(store && p.hv != p.h)) {
+            split_load(krow, lane, x);
+            split_store_raw(e + h * K + KR * lane, x);
+        }
         if (lane == 0) e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(input_from_bits(braw));
     }
 }
@@ -1294,7 +1318,7 @@ __device__ __forceinline__ void rpipe_store(const KdaParams& p, unsigned char* d
 #endif
 } // namespace kda
 
-extern "C" __global__ void __launch_bounds__(kda::RQ_THREADS) kda_ring_delta_prep(const KdaParams p) {
+extern "C" __global__ void __launch_bounds__(kda::RQ_THREADS, kda::RQ_MIN_CTAS) kda_ring_delta_prep(const KdaParams p) {
     using namespace kda;
     if constexpr (LEAN_FITS && !VFIRST) {
         KDA_DEPENDENT_LAUNCH();
