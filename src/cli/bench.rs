@@ -315,6 +315,10 @@ fn setup(
     let set_bytes = n * h * KD * KD * state.size();
     let r = num_sets(set_bytes);
     let geometry = bench_geometry(h, r * n, ring_len, state, layout);
+    if ring_len > 0 {
+        // (a forced kda_ring_delta_pipe row allocates nothing while captured)
+        be.reserve_delta_records(&geometry, n).map_err(kerr)?;
+    }
     let mut planes = LayerPlanes::new(mem, &geometry, 0).map_err(perr)?;
     be.fill_random(&mut planes.ssm, state, 1, 0.1)
         .map_err(kerr)?;

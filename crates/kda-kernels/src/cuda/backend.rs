@@ -1094,6 +1094,36 @@ impl CudaBackend {
         .map_err(|e| device_err(&format!("{name} shared memory"), e))
     }
 
+    /// Makes room for the item records of forced `kda_ring_delta_pipe` calls on `geometry` of up
+    /// to `seqs` sequences, so that such calls can be captured in a CUDA graph (the records are
+    /// allocated on the stream, which a capture must not do).
+    pub fn reserve_delta_records(&self, geometry: &PoolGeometry, seqs: usize) -> Result<()> {
+        let items = seqs * geometry.hv;
+        self.grow_delta_records(
+            items * delta_record_bytes(geometry.k, geometry.v, geometry.ring_len),
+            false,
+        )
+    }
+
+    fn grow_delta_records(&self, need: usize, capturing: bool) -> Result<()> {
+        let mut records = self.records.lock();
+        if records.as_ref().is_some_and(|b| b.len() >= need) {
+            return Ok(());
+        }
+        if capturing {
+            return Err(KernelError::arg(
+                "ring_kernel",
+                format!("kda_ring_delta_pipe needs {need} bytes of records, which cannot be allocated during a graph capture: reserve them first (CudaBackend::reserve_delta_records)"),
+            ));
+        }
+        *records = Some(
+            self.mem
+                .alloc_zeroed(need)
+                .map_err(|e| device_err("kda_ring_delta_prep records", e))?,
+        );
+        Ok(())
+    }
+
     /// Opts a persistent kernel in to `smem` bytes of dynamic shared memory and returns its grid:
     /// the CTAs of `threads` threads that fit on all multiprocessors at once.
     fn persistent_grid(
@@ -1361,17 +1391,14 @@ impl CudaBackend {
         }
         let err = self.err.lock();
         let delta_pipe = ring_pipe.is_some_and(|rp| rp.kernel == RingKernel::DeltaPipe);
-        let mut records = self.records.lock();
         if delta_pipe {
-            let need = items * delta_record_bytes(g.k, g.v, g.ring_len);
-            if records.as_ref().is_none_or(|b| b.len() < need) {
-                *records = Some(
-                    self.mem
-                        .alloc_zeroed(need)
-                        .map_err(|e| device_err("kda_ring_delta_prep records", e))?,
-                );
-            }
+            let capturing = s
+                .capture_status()
+                .map_err(|e| device_err("capture status", e))?
+                != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            self.grow_delta_records(items * delta_record_bytes(g.k, g.v, g.ring_len), capturing)?;
         }
+        let records = self.records.lock();
         let inputs = call.inputs;
         let (a_log, dt_bias) = match inputs {
             Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),
