@@ -1221,7 +1221,7 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
             float ak[TV], aq[TV];
 #pragma unroll
             for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
-            if (false && store && pend > 0) {
+            if (store && pend > 0) {
                 for_each_piece(bl, lk, col0l, V, [&](int, const TilePiece& tp, float (&x)[PE]) {
                     const int r = tp.row;
 #pragma unroll
