@@ -916,7 +916,7 @@ constexpr int RQ_MIN_CTAS = 6;
 constexpr int RQ_ROWS = 2;
 constexpr int RP_GROUPS = 2;
 constexpr int RP_THREADS = (RP_GROUPS * PIPE_WARPS + 2) * 32;
-constexpr int RP_MAX_BUFFERS = 6;
+constexpr int RP_MAX_BUFFERS = 4;
 // Header words of a record.
 enum : int { RQ_SLOT, RQ_BOS, RQ_PEND, RQ_STORE, RQ_APPEND, RQ_LEN, RQ_PENDING, RQ_BAD, RQ_QK, RQ_BT, RQ_WORDS = 16 };
 // An item's record (bytes; mirrored by `delta_record_bytes` in backend.rs): the header words,
@@ -940,8 +940,8 @@ struct RPipeBuffer {
     int rec, u, bytes;
     __device__ __forceinline__ RPipeBuffer(const Record& R, int ring_len) {
         rec = roundup((K * V + LK * WC) * (int)sizeof(ST), 128);
-        u = rec + R.tail; // (probe: no commit data in the buffer)
-        bytes = roundup(rec + R.tail, 128);
+        u = rec + R.bytes;
+        bytes = roundup(u + ring_len * V * 4, 128);
     }
 };
 
@@ -1164,7 +1164,7 @@ __device__ __forceinline__ void rpipe_load(const KdaParams& p, unsigned char* ds
         for (kda_u32 i = 0; i < m; ++i) {
             const kda_u32 t = t0 + i, item = blockIdx.x + t * step;
             const kda_u32 s = KDA_SHFL(slot, (int)i), pd = KDA_SHFL(pend, (int)i);
-            const bool bd = KDA_SHFL(bad, (int)i) != 0u, fd = false && !bd && KDA_SHFL(fold, (int)i) != 0u && pd > 0u;
+            const bool bd = KDA_SHFL(bad, (int)i) != 0u, fd = !bd && KDA_SHFL(fold, (int)i) != 0u && pd > 0u;
             const int bi = (int)(t % (kda_u32)nb);
             if (t >= (kda_u32)nb) {
                 mbar_wait(&empty[bi], (t / (kda_u32)nb - 1u) & 1u);

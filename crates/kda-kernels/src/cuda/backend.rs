@@ -650,7 +650,7 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
 /// loader and a storer).
 const DELTA_PIPE_THREADS: usize = (2 * 8 + 2) * 32;
 /// Most buffers of a `kda_ring_delta_pipe` CTA (`RP_MAX_BUFFERS`).
-const DELTA_PIPE_BUFFERS: usize = 6;
+const DELTA_PIPE_BUFFERS: usize = 4;
 /// Items (one a warp) of a `kda_ring_delta_prep` CTA (`RQ_WARPS`).
 const DELTA_PREP_ITEMS: usize = 4;
 
@@ -682,7 +682,7 @@ fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
     }
     let r128 = |x: usize| x.div_ceil(128) * 128;
     let tile = r128((s.k * s.v + 128) * s.state_size);
-    let bytes = r128(tile + 2176); // (probe: no commit data)
+    let bytes = r128(tile + delta_record_bytes(s.k, s.v, s.ring_len) + s.ring_len * s.v * 4);
     // static: three barriers per buffer; dynamic: the buffers from a 128-byte boundary
     let fit = s
         .smem_optin
