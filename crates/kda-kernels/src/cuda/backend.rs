@@ -1472,9 +1472,7 @@ impl CudaBackend {
             block_dim: (warps as u32 * 32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        // (experiment: KDA_DP_SKIP=prep|pipe leaves one of the two kernels out, for timing)
-        let skip = std::env::var("KDA_DP_SKIP").unwrap_or_default();
-        if delta_pipe && skip != "prep" {
+        if delta_pipe {
             // the records first: one warp per item; the pipe then starts as its dependent
             // (its first tiles' copies overlap the records; the prep kernel writes no state
             // and lets it start only after its own wait)
@@ -1504,9 +1502,6 @@ impl CudaBackend {
         // sequence bounds, and L2 prefetches with `early`; kda_ring_delta_pipe's loader also
         // copies its first tiles of state, which its prerequisite, kda_ring_delta_prep, never
         // writes and lets it start only after the prep kernel's own wait).
-        if delta_pipe && skip == "pipe" {
-            return Ok(());
-        }
         unsafe { launch_kda(s, &func, cfg, &params, dependent) }
             .map_err(|e| device_err(&format!("{name} launch"), e))?;
         Ok(())
