@@ -917,13 +917,16 @@ constexpr int RQ_ROWS = 2;
 constexpr int RP_GROUPS = 2;
 constexpr int RP_THREADS = (RP_GROUPS * PIPE_WARPS + 2) * 32;
 constexpr int RP_MAX_BUFFERS = 4;
+constexpr int RP_HOIST = 8; // a commit's delta vectors a step lane keeps in registers
 // Header words of a record.
 enum : int { RQ_SLOT, RQ_BOS, RQ_PEND, RQ_STORE, RQ_APPEND, RQ_LEN, RQ_PENDING, RQ_BAD, RQ_QK, RQ_BT, RQ_WORDS = 16 };
 // An item's record (bytes; mirrored by `delta_record_bytes` in backend.rs): the header words,
 // P k [K], P q [K] (f32 by K row), wu = beta (v - sum_j c_j u_j) [V], cq = sum_j e_j u_j [V] (by
-// column), then from `tail` (128-byte aligned) a commit's P [K] and R k rows [ring_len][K].
+// column), then from `tail` (128-byte aligned) a commit's P [K] and its R k rows transposed
+// (R k of entry j for K row r at r rl + j, rl = ring_len rounded up to 4: a piece's row in
+// float4 loads).
 struct Record {
-    int pk, pq, wu, cq, head_bytes, tail, bytes;
+    int pk, pq, wu, cq, head_bytes, tail, rl, bytes;
     __device__ __forceinline__ explicit Record(int ring_len) {
         pk = 4 * RQ_WORDS;
         pq = pk + 4 * K;
@@ -931,7 +934,8 @@ struct Record {
         cq = wu + 4 * V;
         head_bytes = cq + 4 * V;
         tail = roundup(head_bytes, 128);
-        bytes = roundup(tail + 4 * K * (1 + ring_len), 128);
+        rl = roundup(ring_len, 4);
+        bytes = roundup(tail + 4 * K * (1 + rl), 128);
     }
 };
 // One pipe buffer (bytes from its 128-byte aligned start; mirrored by `delta_pipe_plan`): the
@@ -954,12 +958,13 @@ __device__ __forceinline__ void ring_split(const IT* row, int lane, float (&x)[K
 // The pending entries of an item, newest first, RQ_ROWS at a time (their rows loaded together).
 // Not COMMIT: rr = R_t,j (starting from the new token's decay) and the pair sums' corrections
 // c4 = sum_j c_tj u_j, e4 = sum_j e_tj u_j (the lane's four columns). COMMIT: rr = R k's
-// running product (starting from 1) and the R k rows into ek; rr ends as P.
+// running product (starting from 1) and the R k rows into ek (transposed, rows of rl); rr
+// ends as P.
 template <bool COMMIT>
 __device__ __forceinline__ void rq_pending(const KdaParams& p, const IT* ring, kda_u32 slot, size_t h, kda_u32 hv,
                                            int pend, int lane, const float (&kt)[KR], const float (&qt)[KR],
                                            const float (&bias)[KR], float a_exp, float (&rr)[KR], float4& c4,
-                                           float4& e4, float* ek) {
+                                           float4& e4, float* ek, int rl) {
     const size_t entry = ring_entry_elems(p);
     const bool l2 = p.l2norm != 0u;
     for (int j1 = pend; j1 > 0; j1 -= RQ_ROWS) {
@@ -970,8 +975,13 @@ __device__ __forceinline__ void rq_pending(const KdaParams& p, const IT* ring, k
             const int j = j1 - 1 - m;
             if (j >= 0) {
                 const IT* e = ring + (size_t)j * entry;
-                ring_split(e + h * K, lane, kj[m]);
-                ring_split(e + ring_off_g(p, hv), lane, gj[m]);
+                if (p.ring_gran >= KR * sizeof(IT)) {
+                    split_load(e + h * K, lane, kj[m]);
+                    split_load(e + ring_off_g(p, hv), lane, gj[m]);
+                } else {
+                    ring_split(e + h * K, lane, kj[m]);
+                    ring_split(e + ring_off_g(p, hv), lane, gj[m]);
+                }
                 if (!COMMIT) uj[m] = reinterpret_cast<const float4*>(delta_row(p, slot, (kda_u32)j, (int)hv, 0))[lane];
             }
         }
@@ -1001,7 +1011,8 @@ __device__ __forceinline__ void rq_pending(const KdaParams& p, const IT* ring, k
                     x[i] = rr[i] * kj[m][i];
                     rr[i] *= decay_at<sizeof(ST) == 2>(gj[m][i], &bias[i], p, a_exp);
                 }
-                split_store(ek + j * K, lane, x);
+#pragma unroll
+                for (int i = 0; i < KR; ++i) ek[(KR * lane + i) * rl + j] = x[i];
             }
         }
     }
@@ -1069,13 +1080,13 @@ __device__ __forceinline__ void rq_prepare(const KdaParams& p, kda_u32 item, int
         // a commit: P and the R k rows of the pending entries; the new token then decays only
         // by its own gate from the committed tile
         rq_pending<true>(p, ring, slot, h, hv, pend, lane, kt, qt, bias, a_exp, rr, c4, e4,
-                         reinterpret_cast<float*>(rec + R.tail) + K);
+                         reinterpret_cast<float*>(rec + R.tail) + K, R.rl);
         split_store(reinterpret_cast<float*>(rec + R.tail), lane, rr);
         split_load(grow, lane, gt);
 #pragma unroll
         for (int i = 0; i < KR; ++i) rr[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
     } else {
-        rq_pending<false>(p, ring, slot, h, hv, pend, lane, kt, qt, bias, a_exp, rr, c4, e4, nullptr);
+        rq_pending<false>(p, ring, slot, h, hv, pend, lane, kt, qt, bias, a_exp, rr, c4, e4, nullptr, R.rl);
     }
     float x[KR], qk = 0.0f;
 #pragma unroll
@@ -1170,7 +1181,7 @@ __device__ __forceinline__ void rpipe_load(const KdaParams& p, unsigned char* ds
                 mbar_wait(&empty[bi], (t / (kda_u32)nb - 1u) & 1u);
                 tile_in(t, s);
             }
-            const kda_u32 tail = (kda_u32)(4 * K) * (1u + pd);
+            const kda_u32 tail = (kda_u32)(4 * K) * (1u + (kda_u32)R.rl);
             const kda_u32 bytes = (kda_u32)R.head_bytes + (fd ? tail + pd * (kda_u32)V * 4u : 0u);
             if (lane == 0) bulk_bar_expect(&full[bi], bytes);
             KDA_SYNCWARP();
@@ -1222,16 +1233,41 @@ __device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* ds
 #pragma unroll
             for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
             if (store && pend > 0) {
+                // the delta vectors of the lane's columns in registers (rings of up to RP_HOIST
+                // entries), each row's R k values as float4 loads: the fold's inner loop is its
+                // multiply-adds (from shared memory, one float4 of u and a scalar of R k per four
+                // of them, it ran at a sixth of the SM's FMA rate: thirty-ninth session)
+                float4 uh[RP_HOIST];
+#pragma unroll
+                for (int j = 0; j < RP_HOIST; ++j)
+                    if (j < pend) uh[j] = *reinterpret_cast<const float4*>(ua + j * V + col0l);
+                const int rl = R.rl;
                 for_each_piece(bl, lk, col0l, V, [&](int, const TilePiece& tp, float (&x)[PE]) {
                     const int r = tp.row;
 #pragma unroll
                     for (int e = 0; e < PE; ++e) x[e] *= pm[r];
-                    for (int j = pend - 1; j >= 0; --j) {
-                        const float4 u4 = *reinterpret_cast<const float4*>(ua + j * V + col0l);
-                        const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
-                        const float er = ek[j * K + r];
+                    const float* er = ek + r * rl;
+                    if (pend <= RP_HOIST) {
 #pragma unroll
-                        for (int e = 0; e < PE; ++e) x[e] = fmaf(er, uv[e], x[e]);
+                        for (int j0 = RP_HOIST - 4; j0 >= 0; j0 -= 4) {
+                            if (j0 >= pend) continue;
+                            const float4 e4 = *reinterpret_cast<const float4*>(er + j0);
+                            const float ev[4] = {e4.x, e4.y, e4.z, e4.w};
+#pragma unroll
+                            for (int m = 3; m >= 0; --m) {
+                                if (j0 + m >= pend) continue;
+                                const float uv[4] = {uh[j0 + m].x, uh[j0 + m].y, uh[j0 + m].z, uh[j0 + m].w};
+#pragma unroll
+                                for (int e = 0; e < PE; ++e) x[e] = fmaf(ev[m], uv[e], x[e]);
+                            }
+                        }
+                    } else {
+                        for (int j = pend - 1; j >= 0; --j) {
+                            const float4 u4 = *reinterpret_cast<const float4*>(ua + j * V + col0l);
+                            const float uv[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+                            for (int e = 0; e < PE; ++e) x[e] = fmaf(er[j], uv[e], x[e]);
+                        }
                     }
 #pragma unroll
                     for (int e = 0; e < PE; ++e) {

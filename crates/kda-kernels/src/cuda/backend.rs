@@ -656,10 +656,11 @@ const DELTA_PREP_ITEMS: usize = 4;
 
 /// Bytes of one item's record from `kda_ring_delta_prep` (`Record` in
 /// `kernels/kda_ring_delta.cu`): 16 header words, P k, P q, two value rows (f32), then from a
-/// 128-byte boundary a commit's P and R k rows.
+/// 128-byte boundary a commit's P and R k rows (transposed, rows of the ring length rounded up
+/// to 4).
 fn delta_record_bytes(k: usize, v: usize, ring_len: usize) -> usize {
     let r128 = |x: usize| x.div_ceil(128) * 128;
-    r128(r128(64 + 8 * k + 8 * v) + 4 * k * (1 + ring_len))
+    r128(r128(64 + 8 * k + 8 * v) + 4 * k * (1 + ring_len.div_ceil(4) * 4))
 }
 
 /// The launch of `kda_ring_delta_pipe` ([`RingKernel::DeltaPipe`], after `kda_ring_delta_prep`):
@@ -680,6 +681,12 @@ fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
     {
         return None;
     }
+    // the prep kernel's ring rows in vector loads where whole rows are this aligned
+    let gran = [s.entry_bytes, s.k * s.input_size, s.v * s.input_size]
+        .iter()
+        .map(|q| 1usize << q.trailing_zeros().min(4))
+        .min()
+        .unwrap_or(16);
     let r128 = |x: usize| x.div_ceil(128) * 128;
     let tile = r128((s.k * s.v + 128) * s.state_size);
     let bytes = r128(tile + delta_record_bytes(s.k, s.v, s.ring_len) + s.ring_len * s.v * 4);
@@ -694,7 +701,7 @@ fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
         kernel: RingKernel::DeltaPipe,
         mt: s.ring_len + 1,
         mq: 1,
-        gran: 0,
+        gran,
         vblocks: 1,
         smem: nb * bytes + PIPE_ALIGN,
         stages: nb,
