@@ -39,14 +39,7 @@
 // decode only 1.03-1.09x as fast as eager decode, while the eager bulk pipe with no stores and
 // its step cut to these two products ran 1.8-2.1x as fast (thirty-eighth session). That pipe
 // with each item's fixed work prepared by warps of their own (kda_ring_delta_pipe, in the
-// history as 8e56fe1) was correct and 16-95% slower: its preparing warps did not keep up. With
-// that work as a kernel of its own ahead of the pipe (kda_ring_delta_prep, one warp per item,
-// records in a scratch buffer; in the history as 5493693) it was correct, 2-10% faster for
-// 2-byte calls of 2048-8192 items and slower for the rest, still slower than eager decode:
-// the two kernels did not overlap, the records took 8-20 us (ncu), and the pipe's products
-// and commit folds ran on the CUDA cores (thirty-ninth session). Its commit fold on the tensor
-// cores (3xTF32, as kda_ring_mma) and a shorter record chain are prepared in the history as
-// c7c0158 and d1d2cb1, not yet run on a GPU.
+// history as 8e56fe1) was correct and 16-95% slower: its preparing warps did not keep up.
 #include "kda_ring.cu"
 
 namespace kda {
@@ -891,4 +884,638 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring_delta_staged(c
     using namespace kda;
     if (p.op == KDA_OP_DECODE && staged_decode<STAGE_FITS>(p)) return;
     ring_delta_item_far(p);
+}
+
+// kda_ring_delta_prep + kda_ring_delta_pipe (an experiment, run only when forced:
+// RingKernel::DeltaPipe): ring decode of K = V = 128 K-first pools with a delta plane in two
+// launches. The thirty-eighth session's read-only bulk pipe with its step cut to the two
+// products ran 1.8-2.1x eager decode, and the same pipe with each item's fixed work done by
+// preparing warps inside it was slower than kda_ring_delta (its preparing warps did not keep
+// up). Here the fixed work is a kernel of its own, ahead of the pipe:
+// - kda_ring_delta_prep, one warp per item (sequence, value head): the plan, the new token's
+//   and the pending entries' rows and activations, the pair sums and corrections, into the
+//   item's record in a scratch buffer (P k, P q, beta (v - sum_j c_j u_j), sum_j e_j u_j, q . k,
+//   beta; at a commit also P and the R k rows), and the ring append (entry append_at is not
+//   one this call reads, except at a commit, where each item writes only rows it alone reads:
+//   a GVA group's shared k row is left to the pipe);
+// - kda_ring_delta_pipe, persistent CTAs: a loader warp bulk-copies each item's tile (the first
+//   buffers' before the dependent launch's wait: the prep kernel writes no state, and it lets
+//   its dependents start only after its own wait) and then its record (and a commit's delta
+//   vectors); two step groups fold a commit's entries into the tile in place (rounded once),
+//   take the two products, write the output, the delta vector, a commit's GVA k row and the
+//   ring record; a storer warp writes committed tiles back.
+// Items the experiment does not take (not one new token, or pending entries without stored
+// vectors) are left: the call records KDA_ERR_PIPE.
+#define KDA_ERR_PIPE 8u
+namespace kda {
+constexpr int RQ_WARPS = 4; // kda_ring_delta_prep: items (one a warp) per CTA
+constexpr int RQ_THREADS = RQ_WARPS * 32;
+// kda_ring_delta_prep: CTAs per SM it is built for (at most 168 registers: a warp holds eight
+// pending entries' rows at once)
+constexpr int RQ_MIN_CTAS = 3;
+constexpr int RP_GROUPS = 2;
+constexpr int RP_THREADS = (RP_GROUPS * PIPE_WARPS + 2) * 32;
+constexpr int RP_MAX_BUFFERS = 4;
+constexpr int RP_HOIST = 8; // a commit's delta vectors a step lane keeps in registers
+// Header words of a record.
+enum : int { RQ_SLOT, RQ_BOS, RQ_PEND, RQ_STORE, RQ_APPEND, RQ_LEN, RQ_PENDING, RQ_BAD, RQ_QK, RQ_BT, RQ_WORDS = 16 };
+// An item's record (bytes; mirrored by `delta_record_bytes` in backend.rs): the header words,
+// P k [K], P q [K] (f32 by K row), wu = beta (v - sum_j c_j u_j) [V], cq = sum_j e_j u_j [V] (by
+// column), then from `tail` (128-byte aligned) a commit's P, P k, P q [K] and R k rows
+// [K][sa], every K row r at fold_row(r) (the fold's tensor-core fragments read them without
+// bank conflicts; sa: the ring length rounded up to 4 mod 8, likewise).
+struct Record {
+    int pk, pq, wu, cq, head_bytes, tail, sa, bytes;
+    __device__ __forceinline__ explicit Record(int ring_len) {
+        pk = 4 * RQ_WORDS;
+        pq = pk + 4 * K;
+        wu = pq + 4 * K;
+        cq = wu + 4 * V;
+        head_bytes = cq + 4 * V;
+        tail = roundup(head_bytes, 128);
+        const int r4 = ring_len < 4 ? 4 : ring_len;
+        sa = r4 + (12 - r4 % 8) % 8;
+        bytes = roundup(tail + 4 * K * (3 + sa), 128);
+    }
+};
+// One pipe buffer (bytes from its 128-byte aligned start; mirrored by `delta_pipe_plan`): the
+// bulk tile, the record (its layout), a commit's delta vectors [ring_len][V].
+struct RPipeBuffer {
+    int rec, u, bytes;
+    __device__ __forceinline__ RPipeBuffer(const Record& R, int ring_len) {
+        rec = roundup((K * V + LK * WC) * (int)sizeof(ST), 128);
+        u = rec + R.bytes;
+        bytes = roundup(u + ring_len * V * 4, 128);
+    }
+};
+
+// Where a commit's record holds K row r (K = 128): rows 16 apart side by side, the order of
+// the fold's 16-row tiles (rpipe_commit).
+__device__ __forceinline__ int fold_row(int r) { return (r & 15) * 8 + (r >> 4); }
+
+// A lane's KR elements of a ring row (only ring_gran-aligned: one element at a time).
+__device__ __forceinline__ void ring_split(const IT* row, int lane, float (&x)[KR]) {
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = kda_load(row[KR * lane + i]);
+}
+
+// 32-bit words of a lane's KR raw input elements (KR sizeof(IT) bytes).
+constexpr int RQ_RAW = KR * (int)sizeof(IT) / 4 > 0 ? KR * (int)sizeof(IT) / 4 : 1;
+// A lane's KR raw elements of a ring row as words (vector loads where rows are that aligned).
+__device__ __forceinline__ void raw_split(const IT* row, int lane, bool vec, kda_u32 (&w)[RQ_RAW]) {
+    const IT* x = row + KR * lane;
+    if constexpr (RQ_RAW == 2) {
+        if (vec) {
+            const uint2 v = *reinterpret_cast<const uint2*>(x);
+            w[0] = v.x;
+            w[1] = v.y;
+        } else {
+            w[0] = input_bits(x) | (input_bits(x + 1) << 16);
+            w[1] = input_bits(x + 2) | (input_bits(x + 3) << 16);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < RQ_RAW; ++i) w[i] = input_bits(x + i);
+    }
+}
+// Element i of such words as f32 (exact).
+__device__ __forceinline__ float raw_at(const kda_u32 (&w)[RQ_RAW], int i) {
+    if constexpr (RQ_RAW == 2 && sizeof(IT) == 2) {
+        return input_from_bits((w[i >> 1] >> ((i & 1) * 16)) & 0xffffu);
+    } else {
+        return input_from_bits(w[i]);
+    }
+}
+
+// The pending entries of an item, newest first, eight at a time: their rows in one round trip
+// (raw words), the lane's partial sums of every entry, then one transposed reduction per sum
+// (pair_sums: lane 4 m holds entry m's) and the per-entry scalars broadcast back. Not COMMIT:
+// rr = R_t,j (starting from the new token's decay) and the corrections c4 = sum_j c_tj u_j,
+// e4 = sum_j e_tj u_j (the lane's four columns), with c_tj = rn_j sum_k k_t R_tj k_j (the key's
+// l2norm factored out). COMMIT: rr = R k's running product (starting from 1) and the R k rows
+// into ek (rows of rl at fold_row); rr ends as P.
+template <bool COMMIT>
+__device__ __forceinline__ void rq_pending(const KdaParams& p, const IT* ring, kda_u32 slot, size_t h, kda_u32 hv,
+                                           int pend, int lane, const float (&kt)[KR], const float (&qt)[KR],
+                                           const float (&bias)[KR], float a_exp, float (&rr)[KR], float4& c4,
+                                           float4& e4, float* ek, int rl) {
+    const size_t entry = ring_entry_elems(p);
+    const bool l2 = p.l2norm != 0u;
+    const bool vec = p.ring_gran >= KR * sizeof(IT);
+    for (int j1 = pend; j1 > 0; j1 -= 8) {
+        kda_u32 kw[8][RQ_RAW], gw[8][RQ_RAW];
+        float4 uj[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int j = j1 - 1 - m;
+            if (j >= 0) {
+                const IT* e = ring + (size_t)j * entry;
+                raw_split(e + h * K, lane, vec, kw[m]);
+                raw_split(e + ring_off_g(p, hv), lane, vec, gw[m]);
+                if (!COMMIT) uj[m] = reinterpret_cast<const float4*>(delta_row(p, slot, (kda_u32)j, (int)hv, 0))[lane];
+            }
+        }
+        // the keys' squared norms and (not COMMIT) the pair sums' partials, the decays on the way
+        float ss[8], cp[8], ep[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int j = j1 - 1 - m;
+            ss[m] = cp[m] = ep[m] = 0.0f;
+            if (j < 0) continue;
+#pragma unroll
+            for (int i = 0; i < KR; ++i) {
+                const float k = raw_at(kw[m], i);
+                ss[m] = fmaf(k, k, ss[m]);
+                if constexpr (!COMMIT) {
+                    const float x = rr[i] * k;
+                    cp[m] = fmaf(kt[i], x, cp[m]);
+                    ep[m] = fmaf(qt[i], x, ep[m]);
+                    rr[i] *= decay_at<sizeof(ST) == 2>(raw_at(gw[m], i), &bias[i], p, a_exp);
+                }
+            }
+        }
+        const float rn = l2 ? rsqrtf(pair_sums(ss, lane) + 1e-6f) : 1.0f;
+        if constexpr (!COMMIT) {
+            const float cl = pair_sums(cp, lane) * rn, el = pair_sums(ep, lane) * rn;
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const int j = j1 - 1 - m;
+                const float c = KDA_SHFL(cl, 4 * m), e = KDA_SHFL(el, 4 * m);
+                if (j < 0) continue;
+                const float4 u4 = uj[m];
+                c4 = make_float4(fmaf(c, u4.x, c4.x), fmaf(c, u4.y, c4.y), fmaf(c, u4.z, c4.z), fmaf(c, u4.w, c4.w));
+                e4 = make_float4(fmaf(e, u4.x, e4.x), fmaf(e, u4.y, e4.y), fmaf(e, u4.z, e4.z), fmaf(e, u4.w, e4.w));
+            }
+        } else {
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const int j = j1 - 1 - m;
+                const float r = KDA_SHFL(rn, 4 * m);
+                if (j < 0) continue;
+#pragma unroll
+                for (int i = 0; i < KR; ++i) {
+                    ek[fold_row(KR * lane + i) * rl + j] = rr[i] * raw_at(kw[m], i) * r;
+                    rr[i] *= decay_at<sizeof(ST) == 2>(raw_at(gw[m], i), &bias[i], p, a_exp);
+                }
+            }
+        }
+    }
+}
+
+// The record of one item (a warp) and its ring append.
+__device__ __forceinline__ void rq_prepare(const KdaParams& p, kda_u32 item, int lane) {
+    const Record R((int)p.ring_len);
+    const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
+    const size_t h = kda_div(hv, p.div_grp);
+    const bool gate = p.gate_mode != 0u, l2 = p.l2norm != 0u;
+    const kda_u32* bounds = reinterpret_cast<const kda_u32*>(p.bounds);
+    const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+    const kda_u32 bos = bounds[n], nnew = bounds[n + 1] - bos;
+    const volatile kda_u32* vm = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
+    const kda_u32 len = vm[0], pending = vm[1], cached = vm[3];
+    const Plan pl = plan_from(p, slot, nnew, len, pending, 0u, reinterpret_cast<kda_u32*>(p.err), hv == 0u);
+    unsigned char* rec = reinterpret_cast<unsigned char*>(p.scratch) + (size_t)item * R.bytes;
+    kda_u32* hd = reinterpret_cast<kda_u32*>(rec);
+    const bool bad = nnew != 1u || min(cached, pl.pend) != pl.pend;
+    const bool store = pl.store_after != KDA_NONE;
+    if (lane == 0) {
+        hd[RQ_SLOT] = slot;
+        hd[RQ_BOS] = bos;
+        hd[RQ_PEND] = pl.pend;
+        hd[RQ_STORE] = store ? 1u : 0u;
+        hd[RQ_APPEND] = pl.append_at;
+        hd[RQ_LEN] = pl.new_len;
+        hd[RQ_PENDING] = pl.new_pending;
+        hd[RQ_BAD] = bad ? 1u : 0u;
+        if (bad) atomicOr(reinterpret_cast<kda_u32*>(p.err), KDA_ERR_PIPE);
+    }
+    if (bad) return;
+    const int pend = (int)pl.pend;
+    // the new token's rows, dt_bias and scalars (loads issued together; the raw rows are read
+    // again at the end, from L1, for the append)
+    const size_t tk = (size_t)bos * p.h + h, tv = (size_t)bos * p.hv + hv;
+    const IT* krow = reinterpret_cast<const IT*>(p.k) + tk * K;
+    const IT* grow = reinterpret_cast<const IT*>(p.g) + tv * K;
+    const IT* vrow = reinterpret_cast<const IT*>(p.v) + tv * V;
+    float kt[KR], qt[KR], gt[KR], bias[KR];
+    split_load(krow, lane, kt);
+    split_load(reinterpret_cast<const IT*>(p.q) + tk * K, lane, qt);
+    split_load(grow, lane, gt);
+    if (gate) {
+        split_from(reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, lane, bias);
+    } else {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) bias[i] = 0.0f;
+    }
+    const float a_exp = gate ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+    const kda_u32 braw = input_bits(reinterpret_cast<const IT*>(p.beta) + tv);
+    split_l2(kt, l2);
+    split_l2(qt, l2);
+    float rr[KR];
+#pragma unroll
+    for (int i = 0; i < KR; ++i) {
+        qt[i] *= p.scale;
+        rr[i] = store ? 1.0f : decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
+    }
+    const size_t entry = ring_entry_elems(p);
+    IT* ring = reinterpret_cast<IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+    float4 c4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), e4 = c4;
+    if (store) {
+        // a commit: P and the R k rows of the pending entries; the new token then decays only
+        // by its own gate from the committed tile
+        rq_pending<true>(p, ring, slot, h, hv, pend, lane, kt, qt, bias, a_exp, rr, c4, e4,
+                         reinterpret_cast<float*>(rec + R.tail) + 3 * K, R.sa);
+        float* pm = reinterpret_cast<float*>(rec + R.tail);
+#pragma unroll
+        for (int i = 0; i < KR; ++i) pm[fold_row(KR * lane + i)] = rr[i];
+        split_load(grow, lane, gt);
+#pragma unroll
+        for (int i = 0; i < KR; ++i) rr[i] = decay_at<sizeof(ST) == 2>(gt[i], &bias[i], p, a_exp);
+    } else {
+        rq_pending<false>(p, ring, slot, h, hv, pend, lane, kt, qt, bias, a_exp, rr, c4, e4, nullptr, R.sa);
+    }
+    float x[KR], qk = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KR; ++i) {
+        qk = fmaf(qt[i], kt[i], qk);
+        x[i] = rr[i] * kt[i];
+    }
+    split_store(reinterpret_cast<float*>(rec + R.pk), lane, x);
+    float* ptail = reinterpret_cast<float*>(rec + R.tail);
+    if (store) {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) ptail[K + fold_row(KR * lane + i)] = x[i];
+    }
+#pragma unroll
+    for (int i = 0; i < KR; ++i) x[i] = rr[i] * qt[i];
+    split_store(reinterpret_cast<float*>(rec + R.pq), lane, x);
+    if (store) {
+#pragma unroll
+        for (int i = 0; i < KR; ++i) ptail[2 * K + fold_row(KR * lane + i)] = x[i];
+    }
+    const float bt = act_beta(input_from_bits(braw), p);
+    float vt[KR];
+    split_load(vrow, lane, vt);
+    reinterpret_cast<float4*>(rec + R.wu)[lane] =
+        make_float4(bt * (vt[0] - c4.x), bt * (vt[1] - c4.y), bt * (vt[2] - c4.z), bt * (vt[3] - c4.w));
+    reinterpret_cast<float4*>(rec + R.cq)[lane] = e4;
+    qk = warp_sum(qk);
+    if (lane == 0) {
+        hd[RQ_QK] = __float_as_uint(qk);
+        hd[RQ_BT] = __float_as_uint(bt);
+    }
+    if (pl.append_at != KDA_NONE) {
+        // rows no other item of this call reads (at a commit, entry 0's: this item's own g and
+        // v rows, read above by its own lanes; a GVA group's shared k row is the pipe's)
+        IT* e = ring + (size_t)pl.append_at * entry;
+        split_store_raw(e + ring_off_v(p, hv) + KR * lane, vt);
+        split_load(grow, lane, gt);
+        split_store_raw(e + ring_off_g(p, hv) + KR * lane, gt);
+        if (hv == h * (p.hv / p.h) && !(store && p.hv != p.h)) {
+            split_load(krow, lane, x);
+            split_store_raw(e + h * K + KR * lane, x);
+        }
+        if (lane == 0) e[ring_off_beta(p, hv)] = KdaElem<IT>::from_f32(input_from_bits(braw));
+    }
+}
+
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Bytes the barrier's phase will also wait for (no arrival).
+__device__ __forceinline__ void mbar_expect(kda_u64* bar, kda_u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+// The loader warp: the tiles of the CTA's first nb items (before the wait), then, item by item,
+// its record (and a commit's delta vectors) and the next items' tiles as buffers free up.
+__device__ __forceinline__ void rpipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
+                                           kda_u32 total, int nb, int lane) {
+    const Record R((int)p.ring_len);
+    const RPipeBuffer B(R, (int)p.ring_len);
+    const kda_u32 step = gridDim.x;
+    const kda_u32 cnt = blockIdx.x < total ? (total - blockIdx.x + step - 1u) / step : 0u;
+    const unsigned char* recs = reinterpret_cast<const unsigned char*>(p.scratch);
+    auto tile_in = [&](kda_u32 t, kda_u32 slot) {
+        const kda_u32 item = blockIdx.x + t * step;
+        const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
+        const int bi = (int)(t % (kda_u32)nb);
+        if (lane == 0) mbar_expect(&full[bi], (kda_u32)(K * V) * sizeof(ST));
+        KDA_SYNCWARP();
+        ST* const head = state_head(p, slot, hv);
+        ST* const tile = reinterpret_cast<ST*>(dsm + bi * B.bytes);
+        for (int r = lane * TK; r < K; r += 32 * TK)
+            bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(TK * V) * sizeof(ST), &full[bi]);
+    };
+    const kda_u32 pre = min(cnt, (kda_u32)nb);
+    {
+        kda_u32 slot = 0u;
+        if ((kda_u32)lane < pre) {
+            const kda_u32 item = blockIdx.x + (kda_u32)lane * step;
+            slot = reinterpret_cast<const kda_u32*>(p.slots)[kda_div(item, p.div_seq)];
+        }
+        for (kda_u32 t = 0; t < pre; ++t) tile_in(t, KDA_SHFL(slot, (int)t));
+    }
+    KDA_DEPENDENT_LAUNCH();
+    for (kda_u32 t0 = 0; t0 < cnt; t0 += 32u) {
+        const kda_u32 mine = t0 + (kda_u32)lane;
+        kda_u32 slot = 0u, pend = 0u, fold = 0u, bad = 1u;
+        if (mine < cnt) {
+            const kda_u32* hd = reinterpret_cast<const kda_u32*>(recs + (size_t)(blockIdx.x + mine * step) * R.bytes);
+            slot = __ldcg(hd + RQ_SLOT);
+            pend = __ldcg(hd + RQ_PEND);
+            fold = __ldcg(hd + RQ_STORE);
+            bad = __ldcg(hd + RQ_BAD);
+        }
+        const kda_u32 m = min(32u, cnt - t0);
+        for (kda_u32 i = 0; i < m; ++i) {
+            const kda_u32 t = t0 + i, item = blockIdx.x + t * step;
+            const kda_u32 s = KDA_SHFL(slot, (int)i), pd = KDA_SHFL(pend, (int)i);
+            const bool bd = KDA_SHFL(bad, (int)i) != 0u, fd = !bd && KDA_SHFL(fold, (int)i) != 0u && pd > 0u;
+            const int bi = (int)(t % (kda_u32)nb);
+            if (t >= (kda_u32)nb) {
+                mbar_wait(&empty[bi], (t / (kda_u32)nb - 1u) & 1u);
+                tile_in(t, s);
+            }
+            const kda_u32 tail = (kda_u32)(4 * K) * (3u + (kda_u32)R.sa);
+            const kda_u32 bytes = (kda_u32)R.head_bytes + (fd ? tail + pd * (kda_u32)V * 4u : 0u);
+            if (lane == 0) bulk_bar_expect(&full[bi], bytes);
+            KDA_SYNCWARP();
+            unsigned char* buf = dsm + bi * B.bytes;
+            const unsigned char* src = recs + (size_t)item * R.bytes;
+            if (lane == 0) bulk_in(buf + B.rec, src, (kda_u32)R.head_bytes, &full[bi]);
+            if (fd) {
+                const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
+                if (lane == 1) bulk_in(buf + B.rec + R.tail, src + R.tail, tail, &full[bi]);
+                for (kda_u32 j = (kda_u32)lane; j < pd; j += 32u)
+                    bulk_in(buf + B.u + j * V * 4, delta_row(p, s, j, (int)hv, 0), (kda_u32)V * 4u, &full[bi]);
+            }
+        }
+    }
+}
+
+// A commit's item on the tensor cores: the fold S' = diag(P) S + E^T U (E: the R k rows, U:
+// the pending entries' delta vectors) as mma.m16n8k8 with E and U split in two (3xTF32,
+// kda_ring_mma's helpers; S enters as the f32 accumulator, exact), this warp's 16 columns as
+// two 8-column tiles, the K rows as eight 16-row tiles of rows 16 apart (16 g + i and
+// 16 g + 8 + i for row lanes g of tile i: one per padding group of the bulk tile, so the
+// tile's reads and writes in the accumulator's layout have at most 2-way bank conflicts), the
+// committed rows written back rounded, the two products of the committed state summed over the
+// row lanes, then the outputs and delta vectors of the warp's columns (lanes g = 0). Eight
+// multiply-adds per element on the CUDA cores were about 80 us per commit call at fp16 H 12
+// N 256 (thirty-ninth session).
+__device__ __forceinline__ void rpipe_commit(const KdaParams& p, unsigned char* buf, const Record& R,
+                                             const RPipeBuffer& B, int pend, int warp, int lane, kda_u32 slot,
+                                             kda_u32 bos, kda_u32 hv, kda_u32 append_at, float qk, float bt) {
+    const unsigned char* rec = buf + B.rec;
+    const float* pm = reinterpret_cast<const float*>(rec + R.tail);
+    const float* pkf = pm + K;
+    const float* pqf = pm + 2 * K;
+    const float* ek = pm + 3 * K;
+    const float* ua = reinterpret_cast<const float*>(buf + B.u);
+    const float* wu = reinterpret_cast<const float*>(rec + R.wu);
+    const float* cq = reinterpret_cast<const float*>(rec + R.cq);
+    ST* const tile = reinterpret_cast<ST*>(buf);
+    const int g = lane >> 2, t = lane & 3, sa = R.sa, n0 = warp * 16;
+    float ak[4] = {0.0f, 0.0f, 0.0f, 0.0f}, aq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // the B fragments of the first eight entries (entries t and t + 4, column g of each tile)
+    kda_u32 bh[2][2], bl[2][2];
+#pragma unroll
+    for (int ni = 0; ni < 2; ++ni) {
+        const int col = n0 + 8 * ni + g;
+        tf32_split(t < pend ? ua[t * V + col] : 0.0f, bh[ni][0], bl[ni][0]);
+        tf32_split(t + 4 < pend ? ua[(t + 4) * V + col] : 0.0f, bh[ni][1], bl[ni][1]);
+    }
+#pragma unroll 2
+    for (int i = 0; i < 8; ++i) {
+        const int r0 = 16 * g + i, r1 = r0 + 8;     // the lane's two K rows of tile i
+        const int q0 = 8 * i + g, q1 = 8 * (8 + i) + g; // fold_row(r0), fold_row(r1)
+        const float p0 = pm[q0], p1 = pm[q1];
+        float c[2][4];
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+            const int col = n0 + 8 * ni + 2 * t;
+            const ST* s0 = tile + bulk_row(r0, V) + col;
+            const ST* s1 = tile + bulk_row(r1, V) + col;
+            float x0[2], x1[2];
+            kda_load_vec<ST, 2>(s0, x0);
+            kda_load_vec<ST, 2>(s1, x1);
+            c[ni][0] = p0 * x0[0];
+            c[ni][1] = p0 * x0[1];
+            c[ni][2] = p1 * x1[0];
+            c[ni][3] = p1 * x1[1];
+        }
+        for (int j0 = 0; j0 < pend; j0 += 8) {
+            const int ja = j0 + t, jb = ja + 4;
+            kda_u32 ah[4], al[4];
+            tf32_split(ja < pend ? ek[q0 * sa + ja] : 0.0f, ah[0], al[0]);
+            tf32_split(ja < pend ? ek[q1 * sa + ja] : 0.0f, ah[1], al[1]);
+            tf32_split(jb < pend ? ek[q0 * sa + jb] : 0.0f, ah[2], al[2]);
+            tf32_split(jb < pend ? ek[q1 * sa + jb] : 0.0f, ah[3], al[3]);
+#pragma unroll
+            for (int ni = 0; ni < 2; ++ni) {
+                if (j0 == 0) {
+                    mma_3xtf32<false>(c[ni], ah, al, bh[ni][0], bh[ni][1], bl[ni][0], bl[ni][1]);
+                } else {
+                    const int col = n0 + 8 * ni + g;
+                    kda_u32 h0, l0, h1, l1;
+                    tf32_split(ja < pend ? ua[ja * V + col] : 0.0f, h0, l0);
+                    tf32_split(jb < pend ? ua[jb * V + col] : 0.0f, h1, l1);
+                    mma_3xtf32<false>(c[ni], ah, al, h0, h1, l0, l1);
+                }
+            }
+        }
+        const float k0 = pkf[q0], k1 = pkf[q1], qq0 = pqf[q0], qq1 = pqf[q1];
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+            const int col = n0 + 8 * ni + 2 * t;
+            ST* s0 = tile + bulk_row(r0, V) + col;
+            ST* s1 = tile + bulk_row(r1, V) + col;
+            if constexpr (sizeof(ST) == 2) {
+                *reinterpret_cast<kda_u32*>(s0) = kda_pack2_rn<ST>(c[ni][0], c[ni][1]);
+                *reinterpret_cast<kda_u32*>(s1) = kda_pack2_rn<ST>(c[ni][2], c[ni][3]);
+            } else {
+                *reinterpret_cast<float2*>(s0) = make_float2(c[ni][0], c[ni][1]);
+                *reinterpret_cast<float2*>(s1) = make_float2(c[ni][2], c[ni][3]);
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                ak[2 * ni + e] = fmaf(k1, c[ni][2 + e], fmaf(k0, c[ni][e], ak[2 * ni + e]));
+                aq[2 * ni + e] = fmaf(qq1, c[ni][2 + e], fmaf(qq0, c[ni][e], aq[2 * ni + e]));
+            }
+        }
+    }
+    // sums over the row lanes g (lanes t, t + 4, ..., t + 28)
+#pragma unroll
+    for (int m = 4; m < 32; m <<= 1) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            ak[x] += KDA_SHFL_XOR(ak[x], m);
+            aq[x] += KDA_SHFL_XOR(aq[x], m);
+        }
+    }
+    if (g == 0) {
+        IT* out = reinterpret_cast<IT*>(p.out) + ((size_t)bos * p.hv + hv) * V;
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+            const int col = n0 + 8 * ni + 2 * t;
+            float u[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                u[e] = fmaf(-bt, ak[2 * ni + e], wu[col + e]);
+                out[col + e] = KdaElem<IT>::from_f32(fmaf(qk, u[e], aq[2 * ni + e] + cq[col + e]));
+            }
+            if (append_at != KDA_NONE)
+                *reinterpret_cast<float2*>(delta_row(p, slot, append_at, (int)hv, col)) = make_float2(u[0], u[1]);
+        }
+    }
+}
+
+// A step group: the CTA's items t = g, g + 2, ...
+__device__ __forceinline__ void rpipe_step(const KdaParams& p, unsigned char* dsm, kda_u64* full,
+                                           kda_u64* computed, kda_u32 total, int nb, int gw, int lane) {
+    const Record R((int)p.ring_len);
+    const RPipeBuffer B(R, (int)p.ring_len);
+    const int group = gw / PIPE_WARPS, warp = gw % PIPE_WARPS, tid = gw % PIPE_WARPS * 32 + lane;
+    const int lk = lane / LV, lv = lane % LV;
+    const int col0l = warp * WC + lv * TV;
+    const size_t entry = ring_entry_elems(p);
+    kda_u32 t = (kda_u32)group;
+    for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total;
+         item += (kda_u32)RP_GROUPS * gridDim.x, t += (kda_u32)RP_GROUPS) {
+        const int bi = (int)(t % (kda_u32)nb);
+        unsigned char* buf = dsm + bi * B.bytes;
+        mbar_wait(&full[bi], (t / (kda_u32)nb) & 1u);
+        const unsigned char* rec = buf + B.rec;
+        const kda_u32* sc = reinterpret_cast<const kda_u32*>(rec);
+        if (sc[RQ_BAD] == 0u) {
+            const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
+            const kda_u32 slot = sc[RQ_SLOT], bos = sc[RQ_BOS], append_at = sc[RQ_APPEND];
+            const int pend = (int)sc[RQ_PEND];
+            const bool store = sc[RQ_STORE] != 0u;
+            const float qk = __uint_as_float(sc[RQ_QK]), bt = __uint_as_float(sc[RQ_BT]);
+            const float* pk = reinterpret_cast<const float*>(rec + R.pk);
+            const float* pq = reinterpret_cast<const float*>(rec + R.pq);
+            const float* wu = reinterpret_cast<const float*>(rec + R.wu);
+            const float* cq = reinterpret_cast<const float*>(rec + R.cq);
+            if (store && pend > 0) {
+                rpipe_commit(p, buf, R, B, pend, warp, lane, slot, bos, hv, append_at, qk, bt);
+            } else {
+                ST* const bl = reinterpret_cast<ST*>(buf) + lk * WC;
+                float ak[TV], aq[TV];
+#pragma unroll
+                for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
+                // the lane's rows of P k and P q in registers first (as float4: read per piece,
+                // the eight row groups' values were 4-way bank conflicts)
+                float pkl[TK], pql[TK];
+                rows_from_smem(pk, lk, pkl);
+                rows_from_smem(pq, lk, pql);
+                for_each_piece(bl, lk, col0l, V, [&](int i, const TilePiece&, float (&x)[PE]) {
+#pragma unroll
+                    for (int e = 0; e < PE; ++e) {
+                        ak[e] = fmaf(pkl[i], x[e], ak[e]);
+                        aq[e] = fmaf(pql[i], x[e], aq[e]);
+                    }
+                });
+                reduce_k(ak);
+                reduce_k(aq);
+                float u[TV], o[TV];
+#pragma unroll
+                for (int c = 0; c < TV; ++c) {
+                    u[c] = fmaf(-bt, ak[c], wu[col0l + c]);
+                    o[c] = fmaf(qk, u[c], aq[c] + cq[col0l + c]);
+                }
+                if (lk == 0) {
+                    store_out(reinterpret_cast<IT*>(p.out) + ((size_t)bos * p.hv + hv) * V + col0l, o, col0l);
+                    if (append_at != KDA_NONE)
+                        *reinterpret_cast<float4*>(delta_row(p, slot, append_at, (int)hv, col0l)) =
+                            make_float4(u[0], u[1], u[2], u[3]);
+                }
+            }
+            const size_t h = kda_div(hv, p.div_grp);
+            if (store && append_at != KDA_NONE && p.hv != p.h && hv == h * (p.hv / p.h) && tid < K) {
+                // a commit's new entry 0: the GVA group's k row, which the prep kernel's items of
+                // the group read there
+                IT* e = reinterpret_cast<IT*>(p.ring) + (size_t)slot * p.ring_len * entry;
+                e[h * K + tid] = reinterpret_cast<const IT*>(p.k)[((size_t)bos * p.h + h) * K + tid];
+            }
+            if (hv == 0u && tid == 0) {
+                kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
+                meta[0] = sc[RQ_LEN];
+                meta[1] = sc[RQ_PENDING];
+                meta[2] = 0u;
+                meta[3] = sc[RQ_LEN];
+            }
+            bulk_fence();
+        }
+        // every warp of the group is past this item's buffer before the storer reads its tile
+        // and the loader refills it
+        pipe_step_sync(group);
+        if (warp == 0 && lane == 0) mbar_arrive(&computed[bi]);
+    }
+}
+
+// The storer warp: a committed tile back to its head, then the buffer freed.
+__device__ __forceinline__ void rpipe_store(const KdaParams& p, unsigned char* dsm, kda_u64* computed,
+                                            kda_u64* empty, kda_u32 total, int nb, int lane) {
+    const Record R((int)p.ring_len);
+    const RPipeBuffer B(R, (int)p.ring_len);
+    kda_u32 t = 0;
+    for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
+        const int bi = (int)(t % (kda_u32)nb);
+        unsigned char* buf = dsm + bi * B.bytes;
+        mbar_wait(&computed[bi], (t / (kda_u32)nb) & 1u);
+        const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + B.rec);
+        if (sc[RQ_BAD] == 0u && sc[RQ_STORE] != 0u && sc[RQ_PEND] > 0u) {
+            const kda_u32 n = kda_div(item, p.div_seq), hv = item - n * p.hv;
+            ST* const head = state_head(p, sc[RQ_SLOT], hv);
+            const ST* const tile = reinterpret_cast<const ST*>(buf);
+            for (int r = lane * TK; r < K; r += 32 * TK)
+                bulk_out(head + (size_t)r * V, tile + bulk_row(r, V), (kda_u32)(TK * V) * sizeof(ST));
+            bulk_out_done();
+        }
+        KDA_SYNCWARP();
+        if (lane == 0) mbar_arrive(&empty[bi]);
+    }
+}
+#endif
+} // namespace kda
+
+extern "C" __global__ void __launch_bounds__(kda::RQ_THREADS, kda::RQ_MIN_CTAS) kda_ring_delta_prep(const KdaParams p) {
+    using namespace kda;
+    if constexpr (LEAN_FITS && !VFIRST) {
+        KDA_DEPENDENT_LAUNCH();
+        const kda_u32 item = blockIdx.x * RQ_WARPS + (threadIdx.x >> 5);
+        if (item < p.n_seqs * p.hv) rq_prepare(p, item, (int)(threadIdx.x & 31));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kda::RP_THREADS, 1) kda_ring_delta_pipe(const KdaParams p) {
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using namespace kda;
+    if constexpr (LEAN_FITS && !VFIRST) {
+        extern __shared__ __align__(16) unsigned char rp_dsm[];
+        __shared__ kda_u64 full[RP_MAX_BUFFERS], computed[RP_MAX_BUFFERS], empty[RP_MAX_BUFFERS];
+        unsigned char* const dsm = rp_dsm + ((PIPE_ALIGN - (smem_addr(rp_dsm) & (PIPE_ALIGN - 1))) & (PIPE_ALIGN - 1));
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int nb = cmin((int)p.stages, RP_MAX_BUFFERS);
+        const kda_u32 total = p.n_seqs * p.hv;
+        if (threadIdx.x < (unsigned)nb) {
+            bulk_bar_init(&full[threadIdx.x]);
+            bulk_bar_init(&computed[threadIdx.x]);
+            bulk_bar_init(&empty[threadIdx.x]);
+        }
+        __syncthreads();
+        constexpr int steps = RP_GROUPS * PIPE_WARPS;
+        if (warp < steps) {
+            KDA_DEPENDENT_LAUNCH();
+            rpipe_step(p, dsm, full, computed, total, nb, warp, lane);
+        } else if (warp == steps) {
+            // (its own wait, after the first tiles' copies)
+            rpipe_load(p, dsm, full, empty, total, nb, lane);
+        } else {
+            KDA_DEPENDENT_LAUNCH();
+            rpipe_store(p, dsm, computed, empty, total, nb, lane);
+        }
+    }
+#endif
 }
