@@ -58,7 +58,6 @@ struct KdaParams {
     kda_u64 delta;                   // f32 [slot][ring_len][HV][V]: the ring entries' delta vectors
     kda_u64 bounds, slots, accepted; // u32 [N+1], u32 [N], u32 [N] (0: none)
     kda_u64 err;                     // u32 [4]: flags, first bad slot, any store, spare
-    kda_u64 scratch;                 // kda_ring_delta_prep's records (0 for the other kernels)
     kda_u32 n_seqs, h, hv, ring_len;
     kda_u32 op;                      // KDA_OP_*
     kda_u32 gate_mode;               // 0 activated, 1 softplus, 2 lower bound

@@ -31,13 +31,12 @@ use super::CliError;
 
 /// The ring kernels each ring case is also timed with, forced, and their rows' suffixes
 /// (`decode-piped`, `spec-tile`, `replay-step`, ...).
-const RING_ROWS: [(&str, RingKernel); 7] = [
+const RING_ROWS: [(&str, RingKernel); 6] = [
     ("piped", RingKernel::Pipelined),
     ("tile", RingKernel::Tile),
     ("mma", RingKernel::Mma),
     ("delta", RingKernel::Delta),
     ("delta-staged", RingKernel::DeltaStaged),
-    ("delta-pipe", RingKernel::DeltaPipe),
     ("step", RingKernel::Step),
 ];
 
@@ -135,7 +134,7 @@ pub struct Args {
     pub dependent_launch: String,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
-    /// pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, delta-pipe, step).
+    /// pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, step).
     #[arg(long, default_value = "all")]
     pub forced: String,
 }
@@ -315,10 +314,6 @@ fn setup(
     let set_bytes = n * h * KD * KD * state.size();
     let r = num_sets(set_bytes);
     let geometry = bench_geometry(h, r * n, ring_len, state, layout);
-    if ring_len > 0 {
-        // (a forced kda_ring_delta_pipe row allocates nothing while captured)
-        be.reserve_delta_records(&geometry, n).map_err(kerr)?;
-    }
     let mut planes = LayerPlanes::new(mem, &geometry, 0).map_err(perr)?;
     be.fill_random(&mut planes.ssm, state, 1, 0.1)
         .map_err(kerr)?;

@@ -69,15 +69,6 @@ pub enum RingKernel {
     /// two. Same bits as `Delta`. The default for such calls from 2048 items (value heads x
     /// column blocks) on pools with a delta plane; other calls forced to it run `Step`.
     DeltaStaged,
-    /// `kda_ring_delta_pipe` (an experiment, run only when forced): ring decode of K = V = 128
-    /// K-first pools with a delta plane on devices with bulk copies, by persistent CTAs over
-    /// whole heads (`EagerKernel::BulkPipe`'s pipeline) whose preparing warps do each item's
-    /// per-head work (its activations, pair sums and corrections) ahead of the step groups,
-    /// which only fold a commit and take the two products with the tile. An item whose pending
-    /// entries lack stored vectors is not computed (the call records an error); other calls
-    /// forced to it run `Step`. Not the bits of `Delta` (fp32 states within about 1e-6, 2-byte
-    /// ones within one rounding step).
-    DeltaPipe,
     /// The general kernel of every operation, one q/k head with its value heads per CTA
     /// (`kda_step`).
     Step,

@@ -942,44 +942,6 @@ fn cuda_delta_ring_kernel_matches_the_cpu_backend() {
     cu.set_ring_kernel(None).expect("ring kernel");
 }
 
-/// `kda_ring_delta_pipe` (forced: an experiment) against the CPU backend with the issue's
-/// tolerances: 20 ring decodes from empty rings (commits every `ring_len` tokens, every entry
-/// with its stored vector), every pool dtype, K-first, K = V = 128, GVA and not, rings of 4
-/// and 8, bf16 inputs (fp32 ones with an fp32 pool).
-#[test]
-fn cuda_delta_pipe_kernel_matches_the_cpu_backend_for_ring_decode() {
-    let Some(cu) = cuda() else { return };
-    cu.set_ring_kernel(Some(RingKernel::DeltaPipe))
-        .expect("ring kernel");
-    for state in Dtype::ALL {
-        let cases = [
-            (2, 4, 8, Dtype::Bf16, 91),
-            (3, 3, 4, Dtype::Bf16, 92),
-            (2, 2, 8, Dtype::Fp32, 93),
-        ];
-        for (h, hv, ring_len, input, seed) in cases
-            .into_iter()
-            .filter(|c| c.3 == Dtype::Bf16 || state == Dtype::Fp32)
-        {
-            let c = Case {
-                ring_deltas: true,
-                ..case(h, hv, 128, 128, state, input, StateLayout::KFirst, ring_len)
-            };
-            let decodes = Calls {
-                spec_every: 0,
-                ..Calls::mixed(0)
-            };
-            let (d, _) = compare_with_cpu_every(&cu, &c, 20, seed, decodes);
-            cu.check_device_errors()
-                .expect("every item taken, no device error");
-            eprintln!(
-                "{state} H={h} HV={hv} {input} inputs ring {ring_len}: outputs within {d:.2e} of the CPU's"
-            );
-        }
-    }
-    cu.set_ring_kernel(None).expect("ring kernel");
-}
-
 /// `kda_ring_delta_staged` (the tile in shared memory) against `kda_ring_delta` (in
 /// registers), twin layers with the same states: ring decodes over three commits, one of them on
 /// `kda_step` (which stores no delta vectors, so the next call hands over to the general item),

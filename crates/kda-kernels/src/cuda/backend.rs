@@ -23,11 +23,11 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding
 use super::memory::{CudaBuffer, CudaMemory};
 use super::params::{
     FastDiv, KdaParams, OpCode, EARLY_PREFETCH, EARLY_SLOT_ONCE, ERR_ACCEPTED, ERR_DECODE_DRAFTS,
-    ERR_META, ERR_PIPE, NO_SLOT,
+    ERR_META, NO_SLOT,
 };
 use super::registry::{
-    eager_kernel, eager_tile_kernel, ring_kernel, ring_prep_kernel, ring_tile_kernel, step_kernel,
-    warm_up, StepKey, TileMove,
+    eager_kernel, eager_tile_kernel, ring_kernel, ring_tile_kernel, step_kernel, warm_up, StepKey,
+    TileMove,
 };
 use crate::api::{
     Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
@@ -67,8 +67,6 @@ pub struct CudaBackend {
     mem: CudaMemory,
     /// `u32 [4]`: flags, first bad slot, any store, spare.
     err: Mutex<CudaBuffer>,
-    /// `kda_ring_delta_prep`'s item records (grown to the biggest call that needed them).
-    records: Mutex<Option<CudaBuffer>>,
     /// Warps per CTA of eager decode (`None`: chosen per call).
     eager_warps: Mutex<Option<u32>>,
     /// The eager-decode kernel asked for (`None`: chosen per call).
@@ -517,8 +515,6 @@ struct RingShape {
     v_first: bool,
     /// Whether the call is a ring decode (one new token per sequence).
     decode: bool,
-    /// Whether the device has bulk copies (`kda_ring_delta_pipe` needs them).
-    bulk: bool,
     smem_optin: usize,
 }
 
@@ -537,8 +533,6 @@ struct RingPlan {
     vblocks: usize,
     /// Dynamic shared memory, bytes.
     smem: usize,
-    /// `kda_ring_delta_pipe`'s buffers per CTA (0 for the other kernels).
-    stages: usize,
 }
 
 /// Threads of a `kda_ring` CTA (`RT` in `kernels/kda_ring.cu`).
@@ -563,9 +557,6 @@ fn ring_item_columns(k: usize) -> usize {
 /// `kernels/kda_ring_delta.cu` (an item of each kernel is eight warps of `kda_step`'s lane
 /// mapping).
 fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
-    if kernel == RingKernel::DeltaPipe {
-        return delta_pipe_plan(s);
-    }
     let r16 = |x: usize| x.div_ceil(16) * 16;
     let cw = ring_item_columns(s.k);
     let (mt, mq) = (s.ring_len + s.max_new, s.max_new);
@@ -642,71 +633,6 @@ fn ring_plan(s: &RingShape, kernel: RingKernel) -> Option<RingPlan> {
         gran,
         vblocks: s.v.div_ceil(cw),
         smem,
-        stages: 0,
-    })
-}
-
-/// Threads of a `kda_ring_delta_pipe` CTA (`RP_THREADS`: two step groups of eight warps, a
-/// loader and a storer).
-const DELTA_PIPE_THREADS: usize = (2 * 8 + 2) * 32;
-/// Most buffers of a `kda_ring_delta_pipe` CTA (`RP_MAX_BUFFERS`).
-const DELTA_PIPE_BUFFERS: usize = 4;
-/// Items (one a warp) of a `kda_ring_delta_prep` CTA (`RQ_WARPS`).
-const DELTA_PREP_ITEMS: usize = 4;
-
-/// Bytes of one item's record from `kda_ring_delta_prep` (`Record` in
-/// `kernels/kda_ring_delta.cu`): 16 header words, P k, P q, two value rows (f32), then from a
-/// 128-byte boundary a commit's P, P k, P q and R k rows (rows of the ring length rounded up
-/// to 4 mod 8).
-fn delta_record_bytes(k: usize, v: usize, ring_len: usize) -> usize {
-    let r128 = |x: usize| x.div_ceil(128) * 128;
-    let r4 = ring_len.max(4);
-    let sa = r4 + (12 - r4 % 8) % 8;
-    r128(r128(64 + 8 * k + 8 * v) + 4 * k * (3 + sa))
-}
-
-/// The launch of `kda_ring_delta_pipe` ([`RingKernel::DeltaPipe`], after `kda_ring_delta_prep`):
-/// ring decode of a K-first pool with K = V = 128, a delta plane and nearest rounding, on a
-/// device with bulk copies; as many buffers (`RPipeBuffer` in `kernels/kda_ring_delta.cu`,
-/// mirrored here: the bulk tile, the record, a commit's delta vectors) as fit shared memory, up
-/// to four and a multiple of its two step groups (`stages`).
-fn delta_pipe_plan(s: &RingShape) -> Option<RingPlan> {
-    if !(s.decode
-        && s.max_new <= 1
-        && s.deltas
-        && s.bulk
-        && !s.stochastic
-        && !s.v_first
-        && s.k == 128
-        && s.v == 128
-        && s.ring_len > 0)
-    {
-        return None;
-    }
-    // the prep kernel's ring rows in vector loads where whole rows are this aligned
-    let gran = [s.entry_bytes, s.k * s.input_size, s.v * s.input_size]
-        .iter()
-        .map(|q| 1usize << q.trailing_zeros().min(4))
-        .min()
-        .unwrap_or(16);
-    let r128 = |x: usize| x.div_ceil(128) * 128;
-    let tile = r128((s.k * s.v + 128) * s.state_size);
-    let bytes = r128(tile + delta_record_bytes(s.k, s.v, s.ring_len) + s.ring_len * s.v * 4);
-    // static: three barriers per buffer; dynamic: the buffers from a 128-byte boundary
-    let fit = s
-        .smem_optin
-        .saturating_sub(3 * 8 * DELTA_PIPE_BUFFERS + PIPE_ALIGN)
-        / bytes;
-    let nb = DELTA_PIPE_BUFFERS.min(fit);
-    let nb = nb - nb % 2;
-    (nb >= 2).then_some(RingPlan {
-        kernel: RingKernel::DeltaPipe,
-        mt: s.ring_len + 1,
-        mq: 1,
-        gran,
-        vblocks: 1,
-        smem: nb * bytes + PIPE_ALIGN,
-        stages: nb,
     })
 }
 
@@ -885,7 +811,6 @@ impl CudaBackend {
             ctx,
             mem,
             err: Mutex::new(err),
-            records: Mutex::new(None),
             eager_warps: Mutex::new(None),
             eager_kernel: Mutex::new(None),
             eager_stages: Mutex::new(None),
@@ -1004,8 +929,7 @@ impl CudaBackend {
 
     /// Reports (and clears) the violations the kernels recorded since the last check: an
     /// accepted count above a slot's drafts (clamped), decode on a slot with drafts (dropped),
-    /// a corrupt ring record (clamped), items the forced `kda_ring_delta_pipe` left. Waits for
-    /// all enqueued work.
+    /// a corrupt ring record (clamped). Waits for all enqueued work.
     pub fn check_device_errors(&self) -> Result<()> {
         let mut err = self.err.lock();
         let mut words = [0u8; 16];
@@ -1026,11 +950,6 @@ impl CudaBackend {
             KernelError::arg(
                 "slots",
                 format!("slot {slot} had drafts at decode; the device dropped them (the pool has changed)"),
-            )
-        } else if w[0] & ERR_PIPE != 0 {
-            KernelError::arg(
-                "ring_kernel",
-                "kda_ring_delta_pipe (forced) left items it does not take (not one new token, or ring entries without stored delta vectors); the pool has changed".to_string(),
             )
         } else {
             debug_assert!(w[0] & ERR_META != 0);
@@ -1101,36 +1020,6 @@ impl CudaBackend {
             smem as i32,
         )
         .map_err(|e| device_err(&format!("{name} shared memory"), e))
-    }
-
-    /// Makes room for the item records of forced `kda_ring_delta_pipe` calls on `geometry` of up
-    /// to `seqs` sequences, so that such calls can be captured in a CUDA graph (the records are
-    /// allocated on the stream, which a capture must not do).
-    pub fn reserve_delta_records(&self, geometry: &PoolGeometry, seqs: usize) -> Result<()> {
-        let items = seqs * geometry.hv;
-        self.grow_delta_records(
-            items * delta_record_bytes(geometry.k, geometry.v, geometry.ring_len),
-            false,
-        )
-    }
-
-    fn grow_delta_records(&self, need: usize, capturing: bool) -> Result<()> {
-        let mut records = self.records.lock();
-        if records.as_ref().is_some_and(|b| b.len() >= need) {
-            return Ok(());
-        }
-        if capturing {
-            return Err(KernelError::arg(
-                "ring_kernel",
-                format!("kda_ring_delta_pipe needs {need} bytes of records, which cannot be allocated during a graph capture: reserve them first (CudaBackend::reserve_delta_records)"),
-            ));
-        }
-        *records = Some(
-            self.mem
-                .alloc_zeroed(need)
-                .map_err(|e| device_err("kda_ring_delta_prep records", e))?,
-        );
-        Ok(())
     }
 
     /// Opts a persistent kernel in to `smem` bytes of dynamic shared memory and returns its grid:
@@ -1297,7 +1186,6 @@ impl CudaBackend {
                 deltas: g.ring_deltas,
                 v_first: g.layout == StateLayout::VFirst,
                 decode: call.op == Op::Decode,
-                bulk: self.has_bulk_copies,
                 smem_optin: self.smem_optin,
             };
             ring_choice(&shape, call.op, *self.ring_kernel.lock())
@@ -1337,11 +1225,6 @@ impl CudaBackend {
                 let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
                 (f, name, pl.smem, Some(grid))
             }
-            (None, Some(rp)) if rp.kernel == RingKernel::DeltaPipe => {
-                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
-                let grid = self.persistent_grid(&f, name, DELTA_PIPE_THREADS, rp.smem)?;
-                (f, name, rp.smem, Some(grid))
-            }
             (None, Some(rp)) if rp.kernel != RingKernel::Pipelined => {
                 let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
                 Self::opt_in_smem(&f, name, rp.smem)?;
@@ -1361,12 +1244,7 @@ impl CudaBackend {
             };
             (g.hv, 1usize, pl.vblocks, warps)
         } else if let Some(rp) = ring_pipe {
-            let threads = if rp.kernel == RingKernel::DeltaPipe {
-                DELTA_PIPE_THREADS
-            } else {
-                RING_THREADS
-            };
-            (g.hv, 1usize, rp.vblocks, threads / 32)
+            (g.hv, 1usize, rp.vblocks, RING_THREADS / 32)
         } else if ring {
             let w = warps_per_head.min(8);
             (g.h, g.group(), 1usize, w)
@@ -1399,15 +1277,6 @@ impl CudaBackend {
             ));
         }
         let err = self.err.lock();
-        let delta_pipe = ring_pipe.is_some_and(|rp| rp.kernel == RingKernel::DeltaPipe);
-        if delta_pipe {
-            let capturing = s
-                .capture_status()
-                .map_err(|e| device_err("capture status", e))?
-                != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            self.grow_delta_records(items * delta_record_bytes(g.k, g.v, g.ring_len), capturing)?;
-        }
-        let records = self.records.lock();
         let inputs = call.inputs;
         let (a_log, dt_bias) = match inputs {
             Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),
@@ -1436,10 +1305,6 @@ impl CudaBackend {
             slots: ptr(&call.batch.slots),
             accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
             err: ptr(&err),
-            scratch: match (delta_pipe, records.as_ref()) {
-                (true, Some(r)) => ptr(r),
-                _ => 0,
-            },
             n_seqs: n as u32,
             h: g.h as u32,
             hv: g.hv as u32,
@@ -1459,11 +1324,7 @@ impl CudaBackend {
             heads_per_cta: heads_per_cta as u32,
             units: units as u32,
             vblocks: vblocks as u32,
-            stages: match (pipe, ring_pipe) {
-                (Some(pl), _) => pl.stages as u32,
-                (None, Some(rp)) if rp.kernel == RingKernel::DeltaPipe => rp.stages as u32,
-                _ => 2,
-            },
+            stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
             early: match (dependent, pipe.is_some_and(|pl| pl.slot_once)) {
                 (false, _) => 0,
@@ -1481,36 +1342,16 @@ impl CudaBackend {
             block_dim: (warps as u32 * 32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        if delta_pipe {
-            // the records first: one warp per item; the pipe then starts as its dependent
-            // (its first tiles' copies overlap the records; the prep kernel writes no state
-            // and lets it start only after its own wait)
-            let prep = ring_prep_kernel(&self.ctx, key)?;
-            let pcfg = LaunchConfig {
-                grid_dim: (items.div_ceil(DELTA_PREP_ITEMS) as u32, 1, 1),
-                block_dim: (DELTA_PREP_ITEMS as u32 * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: as for the pipe's launch below (the same parameters; `scratch` holds a record
-            // of `delta_record_bytes` for each of the `items` items, which `pcfg` covers at
-            // one warp each).
-            unsafe { launch_kda(s, &prep, pcfg, &params, dependent) }
-                .map_err(|e| device_err("kda_ring_delta_prep launch", e))?;
-        }
-        let dependent = dependent || (delta_pipe && self.has_dependent_launch);
         // SAFETY: `params` matches the kernel's `struct KdaParams` (size checked at compile
         // time); every pointer in it refers to a live allocation validated above against the
         // geometry and the batch (the caller's borrows outlive the enqueue, and frees are
         // ordered on this stream after the kernel); the grid and block fit the kernel's
-        // launch bounds (<= 256 threads; PIPE_THREADS for kda_eager_bulk_pipe,
-        // DELTA_PIPE_THREADS for kda_ring_delta_pipe); the pipelined
+        // launch bounds (<= 256 threads; PIPE_THREADS for kda_eager_bulk_pipe); the pipelined
         // kernels' dynamic shared memory was checked against the device's opt-in limit and
         // their copies against the shape (`eager_plan`, `ring_plan`); every KDA kernel runs
         // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs, before any access
         // that could see the previous grid's writes (before it: the host-written slots and
-        // sequence bounds, and L2 prefetches with `early`; kda_ring_delta_pipe's loader also
-        // copies its first tiles of state, which its prerequisite, kda_ring_delta_prep, never
-        // writes and lets it start only after the prep kernel's own wait).
+        // sequence bounds, and L2 prefetches with `early`).
         unsafe { launch_kda(s, &func, cfg, &params, dependent) }
             .map_err(|e| device_err(&format!("{name} launch"), e))?;
         Ok(())
@@ -2169,7 +2010,6 @@ mod tests {
             deltas: false,
             v_first: false,
             decode: false,
-            bulk: true,
             smem_optin: 227 * 1024,
         }
     }
@@ -2338,62 +2178,6 @@ mod tests {
         s.deltas = true;
         let p = ring_plan(&s, RingKernel::DeltaStaged).expect("ring 8");
         assert!(3 * (p.smem + 1024 + 48) <= 228 * 1024, "{} bytes", p.smem);
-    }
-
-    #[test]
-    fn delta_pipe_plan_fits_its_buffers_and_refuses_what_it_cannot_take() {
-        let decode = |state_size| RingShape {
-            deltas: true,
-            decode: true,
-            max_new: 1,
-            ..ring_shape(state_size, 8, 1)
-        };
-        // a record of 2176 + 15 x 512 bytes (ring 8: rows of 12); 2-byte: four buffers of
-        // 46976 bytes (the tile's 33024, the record, eight delta vectors), fp32: two of 80000
-        assert_eq!(delta_record_bytes(128, 128, 8), 9856);
-        assert_eq!(delta_record_bytes(128, 128, 4), 2176 + 7 * 512);
-        for (size, nb, bytes) in [(2, 4, 46_976), (4, 2, 80_000)] {
-            let p = ring_plan(&decode(size), RingKernel::DeltaPipe).expect("fits");
-            assert_eq!(
-                (p.stages, p.smem),
-                (nb, nb * bytes + PIPE_ALIGN),
-                "{size}-byte"
-            );
-            assert_eq!((p.kernel, p.vblocks), (RingKernel::DeltaPipe, 1));
-        }
-        let refused = [
-            RingShape {
-                deltas: false,
-                ..decode(2)
-            },
-            RingShape {
-                decode: false,
-                ..decode(2)
-            },
-            RingShape {
-                bulk: false,
-                ..decode(2)
-            },
-            RingShape {
-                v_first: true,
-                ..decode(2)
-            },
-            RingShape {
-                stochastic: true,
-                ..decode(2)
-            },
-            RingShape { k: 64, ..decode(2) },
-        ];
-        for (i, s) in refused.iter().enumerate() {
-            assert_eq!(ring_plan(s, RingKernel::DeltaPipe), None, "refusal {i}");
-        }
-        // never a default
-        for op in [Op::Decode, Op::SpecVerify, Op::Replay] {
-            assert_ne!(
-                ring_choice(&decode(2), op, None).map(|p| p.kernel),
-                Some(RingKernel::DeltaPipe)
-            );
-        }
     }
 
     #[test]

@@ -14,8 +14,6 @@ pub(crate) enum OpCode {
 pub(crate) const ERR_ACCEPTED: u32 = 1;
 pub(crate) const ERR_DECODE_DRAFTS: u32 = 2;
 pub(crate) const ERR_META: u32 = 4;
-/// `kda_ring_delta_pipe` (forced) left an item it does not take (`KDA_ERR_PIPE`).
-pub(crate) const ERR_PIPE: u32 = 8;
 /// "No slot recorded" in the error word.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 
@@ -45,8 +43,6 @@ pub(crate) struct KdaParams {
     pub slots: u64,
     pub accepted: u64,
     pub err: u64,
-    /// `kda_ring_delta_prep`'s item records, read by `kda_ring_delta_pipe` (0 otherwise).
-    pub scratch: u64,
     pub n_seqs: u32,
     pub h: u32,
     pub hv: u32,
@@ -86,7 +82,7 @@ pub(crate) struct KdaParams {
     pub div_grp: FastDiv,
 }
 
-const _: () = assert!(std::mem::size_of::<KdaParams>() == 17 * 8 + 30 * 4);
+const _: () = assert!(std::mem::size_of::<KdaParams>() == 16 * 8 + 30 * 4);
 
 /// Division of a `u32` by a divisor fixed for a launch as a multiply-high, an add and a shift
 /// (`struct KdaDiv` and `kda_div` in `kernels/kda_decode.cu`): for `d >= 1`, `s = ceil(log2

@@ -65,8 +65,6 @@ enum Key {
     RingMma(StepKey),
     RingDelta(StepKey),
     RingDeltaStaged(StepKey),
-    RingDeltaPipe(StepKey),
-    RingDeltaPrep(StepKey),
     Fill,
     Copy,
 }
@@ -89,8 +87,6 @@ impl Key {
             Key::RingMma(_) => "kda_ring_mma",
             Key::RingDelta(_) => "kda_ring_delta",
             Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
-            Key::RingDeltaPipe(_) => "kda_ring_delta_pipe",
-            Key::RingDeltaPrep(_) => "kda_ring_delta_prep",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -112,15 +108,13 @@ impl Key {
             | Key::RingTile(k)
             | Key::RingMma(k)
             | Key::RingDelta(k)
-            | Key::RingDeltaStaged(k)
-            | Key::RingDeltaPipe(k)
-            | Key::RingDeltaPrep(k) => ModuleKey::Step(k),
+            | Key::RingDeltaStaged(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (sixteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (fourteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -129,7 +123,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 16] {
+fn step_module(k: StepKey) -> [Key; 14] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -145,8 +139,6 @@ fn step_module(k: StepKey) -> [Key; 16] {
         Key::RingMma(k),
         Key::RingDelta(k),
         Key::RingDeltaStaged(k),
-        Key::RingDeltaPipe(k),
-        Key::RingDeltaPrep(k),
     ]
 }
 
@@ -306,7 +298,7 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
         // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit, and
         // kda_eager_bulk_pipe for as many buffers: all of the SM's shared memory, not the L1
         // the driver might keep (set once, at load)
-        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) | Key::RingDeltaPipe(_) = key {
+        if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) = key {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                 100,
@@ -409,17 +401,10 @@ pub(crate) fn ring_tile_kernel(
     let k = match kernel {
         RingKernel::Mma => Key::RingMma(key),
         RingKernel::DeltaStaged => Key::RingDeltaStaged(key),
-        RingKernel::DeltaPipe => Key::RingDeltaPipe(key),
         RingKernel::Delta => Key::RingDelta(key),
         _ => Key::RingTile(key),
     };
     Ok((get(ctx, k)?, k.entry()))
-}
-
-/// `kda_ring_delta_prep` specialised on `key` (same module as `kda_step`): the item records
-/// `kda_ring_delta_pipe` reads, launched just before it.
-pub(crate) fn ring_prep_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
-    get(ctx, Key::RingDeltaPrep(key))
 }
 
 /// The `kda_fill` kernel.
@@ -495,9 +480,7 @@ mod tests {
                 "kda_ring_tile",
                 "kda_ring_mma",
                 "kda_ring_delta",
-                "kda_ring_delta_staged",
-                "kda_ring_delta_pipe",
-                "kda_ring_delta_prep"
+                "kda_ring_delta_staged"
             ]
         );
     }
