@@ -44,9 +44,12 @@
 // records in a scratch buffer; in the history as 5493693) it was correct, 2-10% faster for
 // 2-byte calls of 2048-8192 items and slower for the rest, still slower than eager decode:
 // the two kernels did not overlap, the records took 8-20 us (ncu), and the pipe's products
-// and commit folds ran on the CUDA cores (thirty-ninth session). Its commit fold on the tensor
-// cores (3xTF32, as kda_ring_mma) and a shorter record chain are prepared in the history as
-// c7c0158 and d1d2cb1, not yet run on a GPU.
+// and commit folds ran on the CUDA cores (thirty-ninth session). With its commit fold on the
+// tensor cores (3xTF32, as kda_ring_mma; c7c0158), a shorter record chain (d1d2cb1) and the
+// step's P k and P q rows in registers (5adc3a0) it was correct and 6-13% faster for 2-byte
+// calls of 2048-8192 items, still 0.6-1.6% slower than eager decode there and slower than
+// this kernel elsewhere; the records overlapped with the pipe on the same SMs (flags instead of
+// the grid wait; 6fd2b57) were 6-74% slower (fortieth session).
 #include "kda_ring.cu"
 
 namespace kda {
