@@ -119,14 +119,12 @@ constexpr int RG = VFIRST ? RG_VF : TK;
 constexpr int NG = TK / RG;
 constexpr bool KF_VEC = (V % TV == 0); // K-first: TV columns as one vector
 constexpr int KS = roundup(LK * TK, 4); // smem row stride of per-row values (padded K)
-// Rows of per-row values that token_step_stream reads per piece (PAD below): K-first, lane
-// group lk's piece i is row lk TK + i, read four rows at a time (16-byte loads), so with TK = 16
-// (K = 128) the eight groups' vectors lay in the same two bank quarters, a 4-way conflict per
-// load; four words of padding per TK rows (row r at r + 4 (r / TK)) put them in eight quarters
-// and keep them 16-byte aligned (one word per group broke the vectors: 1-21% slower, fortieth
-// session). KP: such a row's length (lane group lk's rows end at lk TK + TK - 1 + 4 lk).
-constexpr int KP = VFIRST ? KS : roundup(LK * TK + 4 * LK, 4);
-template <bool PAD> __device__ __forceinline__ int krow_at(int r) { return PAD && !VFIRST ? r + 4 * (r / TK) : r; }
+// Rows of per-row values that token_step_stream reads one value per piece (PAD below): K-first,
+// lane group lk's piece i is row lk TK + i, so with TK = 16 (K = 128) the eight groups' values
+// lay in two banks, a 4-way conflict per read; one word of padding per TK rows spreads them
+// over LK banks (row r at r + r / TK). KP: such a row's length.
+constexpr int KP = VFIRST ? KS : roundup(K + (K + TK - 1) / TK, 4);
+template <bool PAD> __device__ __forceinline__ int krow_at(int r) { return PAD && !VFIRST ? r + r / TK : r; }
 constexpr int VS = roundup(V, 4);
 constexpr int WC = LV * TV;             // columns of one warp
 constexpr int TC = cmax(1, cmin(8, 12288 / (3 * KS + VS))); // tokens per smem chunk
@@ -1646,8 +1644,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-            // (K-first: krow_at<true>(t.row) without its division, which kept the loads scalar)
-            const int r = VFIRST ? piece_row(t, e) : t.row + 4 * lk, c = piece_c(i, e);
+            const int r = krow_at<true>(piece_row(t, e)), c = piece_c(i, e);
             acc[c] = fmaf(k[r], x[e] * d[r], acc[c]);
         }
     });
@@ -1662,7 +1659,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-            const int r = VFIRST ? piece_row(t, e) : t.row + 4 * lk, c = piece_c(i, e);
+            const int r = krow_at<true>(piece_row(t, e)), c = piece_c(i, e);
             x[e] = fmaf(k[r], u[c], x[e] * d[r]);
             o[c] = fmaf(q[r], x[e], o[c]);
         }

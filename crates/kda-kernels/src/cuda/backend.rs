@@ -311,8 +311,8 @@ fn pipe_static_smem(e: &EagerShape) -> usize {
 }
 
 /// Length of a row of per-row values (key, decay, query) that `token_step_stream` reads
-/// (`KP` in `kernels/kda_decode.cu`): for K-first pools four words of padding after each lane
-/// group's rows, so that the lane groups' 16-byte loads hit different banks.
+/// (`KP` in `kernels/kda_decode.cu`): for K-first pools one word of padding after each lane
+/// group's rows, so that the lane groups reading one row each hit different banks.
 fn padded_k(k: usize, v_first: bool) -> usize {
     if v_first {
         return k.next_multiple_of(4);
@@ -320,7 +320,7 @@ fn padded_k(k: usize, v_first: bool) -> usize {
     // the kernel's LK (lanes along K, a power of two) and TK (rows per lane)
     let lk = k.div_ceil(16).next_power_of_two().min(32);
     let tk = k.div_ceil(lk);
-    (lk * tk + 4 * lk).next_multiple_of(4)
+    (k + k.div_ceil(tk)).next_multiple_of(4)
 }
 
 /// Buffers of `kda_eager_bulk_pipe` at this shape: up to `PIPE_BUFFERS` of them that fit shared
@@ -1900,9 +1900,9 @@ mod tests {
     }
 
     #[test]
-    fn padded_rows_have_four_words_per_lane_group_for_k_first_pools() {
-        // K = 128: 8 lane groups of 16 rows; 64: 4 of 16; 48: 4 of 12; 32: 2 of 16; 16: 1 of 16
-        for (k, kp) in [(128, 160), (64, 80), (48, 64), (32, 40), (16, 20)] {
+    fn padded_rows_have_one_word_per_lane_group_for_k_first_pools() {
+        // K = 128: 8 lane groups of 16 rows; 64: 4 of 16; 48: 4 of 12; 32: 2 of 16 (+ round to 4)
+        for (k, kp) in [(128, 136), (64, 68), (48, 52), (32, 36), (16, 20)] {
             assert_eq!(padded_k(k, false), kp, "K = {k}");
         }
         assert_eq!(padded_k(128, true), 128);
