@@ -119,12 +119,6 @@ constexpr int RG = VFIRST ? RG_VF : TK;
 constexpr int NG = TK / RG;
 constexpr bool KF_VEC = (V % TV == 0); // K-first: TV columns as one vector
 constexpr int KS = roundup(LK * TK, 4); // smem row stride of per-row values (padded K)
-// Rows of per-row values that token_step_stream reads one value per piece (PAD below): K-first,
-// lane group lk's piece i is row lk TK + i, so with TK = 16 (K = 128) the eight groups' values
-// lay in two banks, a 4-way conflict per read; one word of padding per TK rows spreads them
-// over LK banks (row r at r + r / TK). KP: such a row's length.
-constexpr int KP = VFIRST ? KS : roundup(K + (K + TK - 1) / TK, 4);
-template <bool PAD> __device__ __forceinline__ int krow_at(int r) { return PAD && !VFIRST ? r + r / TK : r; }
 constexpr int VS = roundup(V, 4);
 constexpr int WC = LV * TV;             // columns of one warp
 constexpr int TC = cmax(1, cmin(8, 12288 / (3 * KS + VS))); // tokens per smem chunk
@@ -417,8 +411,7 @@ template <bool FAST = false> __device__ __forceinline__ float sigmoid(float x) {
 // act_row's arithmetic on a loaded row x (the lane's KL elements): l2-normalised when asked,
 // times `scale` when `scaled`, into dst. FAST: times an approximate reciprocal square root
 // instead of divided by the IEEE square root (within a few ulp; not the CPU backend's bits).
-// PAD: dst in token_step_stream's padded layout (krow_at).
-template <bool FAST = false, bool PAD = false>
+template <bool FAST = false>
 __device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, bool scaled, float scale, int lane) {
     float ss = 0.0f;
 #pragma unroll
@@ -437,14 +430,14 @@ __device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, 
 #pragma unroll
     for (int i = 0; i < KL; ++i) {
         const int kk = lane + 32 * i;
-        if (kk < K) dst[krow_at<PAD>(kk)] = scaled ? x[i] * scale : x[i];
+        if (kk < K) dst[kk] = scaled ? x[i] * scale : x[i];
     }
 }
 
 // One warp activates a key (`scaled` false) or a query (`scaled` true: times `scale`) row of K
 // elements at src into dst: l2-normalised when asked. Shared by every kernel, so the eager
 // kernels and the ring kernel produce the same bits (FAST: act_finish's).
-template <bool FAST = false, bool PAD = false>
+template <bool FAST = false>
 __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool scaled, float scale,
                                         int lane) {
     float x[KL];
@@ -453,7 +446,7 @@ __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool
         const int kk = lane + 32 * i;
         x[i] = kk < K ? kda_load(src[kk]) : 0.0f;
     }
-    act_finish<FAST, PAD>(x, dst, l2, scaled, scale, lane);
+    act_finish<FAST>(x, dst, l2, scaled, scale, lane);
 }
 
 // The decay exp(g) of a raw gate; *bias (its dt_bias) is read only when the gate is not
@@ -481,14 +474,13 @@ __device__ __forceinline__ float decay_of(const IT* src, const float* bias, int 
 }
 
 // One warp computes the decay exp(g) of a row of K raw gates (bias: f32 [K], unused when the
-// gate is already activated; PAD: dst in krow_at's padded layout).
-template <bool PAD = false>
+// gate is already activated).
 __device__ __forceinline__ void act_decay(const IT* src, const float* bias, float* dst, const KdaParams& p,
                                           float a_exp, int lane) {
 #pragma unroll
     for (int i = 0; i < KL; ++i) {
         const int kk = lane + 32 * i;
-        if (kk < K) dst[krow_at<PAD>(kk)] = decay_of(src, bias, kk, p, a_exp);
+        if (kk < K) dst[kk] = decay_of(src, bias, kk, p, a_exp);
     }
 }
 
@@ -1233,18 +1225,17 @@ __device__ __forceinline__ void tile_copy_out(const unsigned char* src, ST* head
 // with fewer than 3 warps) the decays, the values of the CTA's cwv columns and beta. k, q, g,
 // v: the raw rows (in a stage or in global memory), bias: the head's dt_bias row, beta_raw and
 // a_log: the raw scalars (a_log used only with a gate).
-template <bool PAD = false>
 __device__ __forceinline__ void eager_activate(const KdaParams& p, const IT* k, const IT* q, const IT* g,
                                                const float* bias, const IT* v, int cwv, float beta_raw,
                                                float a_log, float* ak, float* aq, float* ad, float* av,
                                                float* abeta) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    if (warp == 0) act_row<false, PAD>(k, ak, p.l2norm != 0u, false, p.scale, lane);
-    if (warp == (nwarps > 1 ? 1 : 0)) act_row<false, PAD>(q, aq, p.l2norm != 0u, true, p.scale, lane);
+    if (warp == 0) act_row(k, ak, p.l2norm != 0u, false, p.scale, lane);
+    if (warp == (nwarps > 1 ? 1 : 0)) act_row(q, aq, p.l2norm != 0u, true, p.scale, lane);
     const int d0 = nwarps > 2 ? 64 : 0, dn = (int)blockDim.x - d0, tid = (int)threadIdx.x - d0;
     if (tid >= 0) {
         const float a_exp = p.gate_mode ? expf(a_log) : 0.0f;
-        for (int kk = tid; kk < K; kk += dn) ad[krow_at<PAD>(kk)] = decay_of(g, bias, kk, p, a_exp);
+        for (int kk = tid; kk < K; kk += dn) ad[kk] = decay_of(g, bias, kk, p, a_exp);
         for (int c = tid; c < cwv; c += dn) av[c] = kda_load(v[c]);
         if (tid == 0) *abeta = act_beta(beta_raw, p);
     }
@@ -1633,7 +1624,6 @@ __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0,
 // the update and the read-out, which writes it back in place through the element type (as
 // store_tile: the stochastic offsets from elem0, K-first rows of V). The same operations in the
 // same order as token_step with `out`, so the same bits; few registers, so more CTAs per SM.
-// k, d and q are rows in the padded layout (krow_at<true>, rows of KP), read per piece.
 template <bool SR>
 __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, int rs, const float* k, const float* d,
                                                   const float* q, const float* vp, int vlim, float beta,
@@ -1644,7 +1634,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-            const int r = krow_at<true>(piece_row(t, e)), c = piece_c(i, e);
+            const int r = piece_row(t, e), c = piece_c(i, e);
             acc[c] = fmaf(k[r], x[e] * d[r], acc[c]);
         }
     });
@@ -1659,7 +1649,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-            const int r = krow_at<true>(piece_row(t, e)), c = piece_c(i, e);
+            const int r = piece_row(t, e), c = piece_c(i, e);
             x[e] = fmaf(k[r], u[c], x[e] * d[r]);
             o[c] = fmaf(q[r], x[e], o[c]);
         }
@@ -1728,8 +1718,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     constexpr bool SLOT_AGAIN = BULK && !VFIRST && sizeof(ST) == 4;
     extern __shared__ __align__(16) unsigned char eager_dsm[];
     __shared__ kda_u64 bulk_bar;
-    // (STREAM: the rows in token_step_stream's padded layout)
-    __shared__ __align__(16) float ak[STREAM ? KP : KS], ad[STREAM ? KP : KS], aq[STREAM ? KP : KS], av[VS];
+    __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
     __shared__ float abeta;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const int lk = lane / LV, lv = lane % LV;
@@ -1817,9 +1806,9 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
 #pragma unroll
             for (int i = 0; i < KL; ++i) xf[i] = input_from_bits(x[i]);
             if (warp == 0) {
-                act_finish<false, STREAM>(xf, ak, l2, false, p.scale, lane);
+                act_finish(xf, ak, l2, false, p.scale, lane);
             } else {
-                act_finish<false, STREAM>(xf, aq, l2, true, p.scale, lane);
+                act_finish(xf, aq, l2, true, p.scale, lane);
             }
         } else {
             const float a_exp = p.gate_mode ? expf(alog) : 0.0f;
@@ -1827,7 +1816,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
             for (int j = 0; j < DKE; ++j) {
                 const int kk = tid + j * dn;
                 const float b = __uint_as_float(x[DKE + j]);
-                if (kk < K) ad[krow_at<STREAM>(kk)] = decay_at(input_from_bits(x[j]), &b, p, a_exp);
+                if (kk < K) ad[kk] = decay_at(input_from_bits(x[j]), &b, p, a_exp);
             }
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
@@ -1837,7 +1826,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
             if (tid == 0) abeta = act_beta(input_from_bits(braw), p);
         }
     } else {
-        eager_activate<STREAM>(p, kp, qp, gp, bias, vp, cwv, kda_load(*bp),
+        eager_activate(p, kp, qp, gp, bias, vp, cwv, kda_load(*bp),
                        p.gate_mode ? reinterpret_cast<const float*>(p.a_log)[hv] : 0.0f, ak, aq, ad, av, &abeta);
     }
     if constexpr (STAGED) cp_async_wait<0>();
@@ -2085,8 +2074,7 @@ __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* ds
 // The token-step warps: each item's activation and token step, in the buffer.
 __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* computed,
                                           kda_u32 total, int nb, int groups, int gw, int lane) {
-    // (the rows in token_step_stream's padded layout)
-    __shared__ __align__(16) float sk[PIPE_MAX_GROUPS][KP], sd[PIPE_MAX_GROUPS][KP], sq[PIPE_MAX_GROUPS][KP],
+    __shared__ __align__(16) float sk[PIPE_MAX_GROUPS][KS], sd[PIPE_MAX_GROUPS][KS], sq[PIPE_MAX_GROUPS][KS],
         sv[PIPE_MAX_GROUPS][VS];
     __shared__ float sbeta[PIPE_MAX_GROUPS];
     const int group = gw / PIPE_WARPS, warp = gw % PIPE_WARPS;
@@ -2108,12 +2096,12 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
         const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
         const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + L.scal);
         if (warp == 0) {
-            act_row<false, true>(reinterpret_cast<const IT*>(buf + L.k), ak, l2, false, p.scale, lane);
+            act_row(reinterpret_cast<const IT*>(buf + L.k), ak, l2, false, p.scale, lane);
         } else if (warp == 1) {
-            act_row<false, true>(reinterpret_cast<const IT*>(buf + L.q), aq, l2, true, p.scale, lane);
+            act_row(reinterpret_cast<const IT*>(buf + L.q), aq, l2, true, p.scale, lane);
         } else if (warp == 2) {
             const float a_exp = p.gate_mode ? expf(__uint_as_float(sc[1])) : 0.0f;
-            act_decay<true>(reinterpret_cast<const IT*>(buf + L.g), reinterpret_cast<const float*>(buf + L.bias), ad, p,
+            act_decay(reinterpret_cast<const IT*>(buf + L.g), reinterpret_cast<const float*>(buf + L.bias), ad, p,
                       a_exp, lane);
         } else if (warp == 3) {
             const IT* vr = reinterpret_cast<const IT*>(buf + L.v);

@@ -304,23 +304,9 @@ const PIPE_THREADS: usize = (8 * PIPE_GROUPS + 2) * 32;
 const PIPE_BUFFERS: usize = 6;
 
 /// Static shared memory of `kda_eager_bulk_pipe`, bytes: three barriers per buffer (up to 8
-/// buffers) and each step group's activated key, decay, query (rows of `padded_k`), values and
-/// beta.
+/// buffers) and each step group's activated key, decay, query, values and beta.
 fn pipe_static_smem(e: &EagerShape) -> usize {
-    3 * 8 * 8 + PIPE_GROUPS * ((3 * padded_k(e.k, e.v_first) + e.v.next_multiple_of(4)) * 4 + 4)
-}
-
-/// Length of a row of per-row values (key, decay, query) that `token_step_stream` reads
-/// (`KP` in `kernels/kda_decode.cu`): for K-first pools one word of padding after each lane
-/// group's rows, so that the lane groups reading one row each hit different banks.
-fn padded_k(k: usize, v_first: bool) -> usize {
-    if v_first {
-        return k.next_multiple_of(4);
-    }
-    // the kernel's LK (lanes along K, a power of two) and TK (rows per lane)
-    let lk = k.div_ceil(16).next_power_of_two().min(32);
-    let tk = k.div_ceil(lk);
-    (k + k.div_ceil(tk)).next_multiple_of(4)
+    3 * 8 * 8 + PIPE_GROUPS * ((3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 4)
 }
 
 /// Buffers of `kda_eager_bulk_pipe` at this shape: up to `PIPE_BUFFERS` of them that fit shared
@@ -1897,16 +1883,6 @@ mod tests {
             assert_eq!(p.smem, (128 * 128 + 8 * 16) * size);
             assert_eq!(p.slot_once, slot_once, "{size}-byte, {heads} heads");
         }
-    }
-
-    #[test]
-    fn padded_rows_have_one_word_per_lane_group_for_k_first_pools() {
-        // K = 128: 8 lane groups of 16 rows; 64: 4 of 16; 48: 4 of 12; 32: 2 of 16 (+ round to 4)
-        for (k, kp) in [(128, 136), (64, 68), (48, 52), (32, 36), (16, 20)] {
-            assert_eq!(padded_k(k, false), kp, "K = {k}");
-        }
-        assert_eq!(padded_k(128, true), 128);
-        assert_eq!(padded_k(30, true), 32);
     }
 
     #[test]
