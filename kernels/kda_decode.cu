@@ -1624,6 +1624,10 @@ __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0,
 // the update and the read-out, which writes it back in place through the element type (as
 // store_tile: the stochastic offsets from elem0, K-first rows of V). The same operations in the
 // same order as token_step with `out`, so the same bits; few registers, so more CTAs per SM.
+// Its reads of k, d and q (16-byte loads of a lane group's rows, 16 rows apart per group) are
+// 4-way bank conflicts; rows padded one word per group were 3-22% slower (the index's division
+// made the loads scalar), four words per group, keeping the vectors, is prepared as fe92c75
+// (docs/performance.md, fortieth session).
 template <bool SR>
 __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, int rs, const float* k, const float* d,
                                                   const float* q, const float* vp, int vlim, float beta,
