@@ -119,6 +119,16 @@ constexpr int RG = VFIRST ? RG_VF : TK;
 constexpr int NG = TK / RG;
 constexpr bool KF_VEC = (V % TV == 0); // K-first: TV columns as one vector
 constexpr int KS = roundup(LK * TK, 4); // smem row stride of per-row values (padded K)
+// Rows of per-row values that token_step_stream reads per piece (PAD below): K-first, lane
+// group lk's piece i is row lk TK + i, read four rows at a time (16-byte loads), so with TK = 16
+// (K = 128) the eight groups' vectors lie in the same two bank quarters, a 4-way conflict per
+// load; four words of padding per TK rows (row r at r + 4 (r / TK)) put them in eight quarters
+// and keep them 16-byte aligned (one word per group broke the vectors: 3-22% slower, fortieth
+// session). KP: such a row's length (lane group lk's rows end at lk TK + TK - 1 + 4 lk). The
+// bulk pipe's step pads (2-4% faster); the tile kernels' do not (padded, 3% slower: forty-first
+// session).
+constexpr int KP = VFIRST ? KS : roundup(LK * TK + 4 * LK, 4);
+template <bool PAD> __device__ __forceinline__ int krow_at(int r) { return PAD && !VFIRST ? r + 4 * (r / TK) : r; }
 constexpr int VS = roundup(V, 4);
 constexpr int WC = LV * TV;             // columns of one warp
 constexpr int TC = cmax(1, cmin(8, 12288 / (3 * KS + VS))); // tokens per smem chunk
@@ -411,7 +421,8 @@ template <bool FAST = false> __device__ __forceinline__ float sigmoid(float x) {
 // act_row's arithmetic on a loaded row x (the lane's KL elements): l2-normalised when asked,
 // times `scale` when `scaled`, into dst. FAST: times an approximate reciprocal square root
 // instead of divided by the IEEE square root (within a few ulp; not the CPU backend's bits).
-template <bool FAST = false>
+// PAD: dst in token_step_stream's padded layout (krow_at).
+template <bool FAST = false, bool PAD = false>
 __device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, bool scaled, float scale, int lane) {
     float ss = 0.0f;
 #pragma unroll
@@ -430,14 +441,14 @@ __device__ __forceinline__ void act_finish(float (&x)[KL], float* dst, bool l2, 
 #pragma unroll
     for (int i = 0; i < KL; ++i) {
         const int kk = lane + 32 * i;
-        if (kk < K) dst[kk] = scaled ? x[i] * scale : x[i];
+        if (kk < K) dst[krow_at<PAD>(kk)] = scaled ? x[i] * scale : x[i];
     }
 }
 
 // One warp activates a key (`scaled` false) or a query (`scaled` true: times `scale`) row of K
 // elements at src into dst: l2-normalised when asked. Shared by every kernel, so the eager
 // kernels and the ring kernel produce the same bits (FAST: act_finish's).
-template <bool FAST = false>
+template <bool FAST = false, bool PAD = false>
 __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool scaled, float scale,
                                         int lane) {
     float x[KL];
@@ -446,7 +457,7 @@ __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool
         const int kk = lane + 32 * i;
         x[i] = kk < K ? kda_load(src[kk]) : 0.0f;
     }
-    act_finish<FAST>(x, dst, l2, scaled, scale, lane);
+    act_finish<FAST, PAD>(x, dst, l2, scaled, scale, lane);
 }
 
 // The decay exp(g) of a raw gate; *bias (its dt_bias) is read only when the gate is not
@@ -474,13 +485,14 @@ __device__ __forceinline__ float decay_of(const IT* src, const float* bias, int 
 }
 
 // One warp computes the decay exp(g) of a row of K raw gates (bias: f32 [K], unused when the
-// gate is already activated).
+// gate is already activated; PAD: dst in krow_at's padded layout).
+template <bool PAD = false>
 __device__ __forceinline__ void act_decay(const IT* src, const float* bias, float* dst, const KdaParams& p,
                                           float a_exp, int lane) {
 #pragma unroll
     for (int i = 0; i < KL; ++i) {
         const int kk = lane + 32 * i;
-        if (kk < K) dst[kk] = decay_of(src, bias, kk, p, a_exp);
+        if (kk < K) dst[krow_at<PAD>(kk)] = decay_of(src, bias, kk, p, a_exp);
     }
 }
 
@@ -1624,11 +1636,8 @@ __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0,
 // the update and the read-out, which writes it back in place through the element type (as
 // store_tile: the stochastic offsets from elem0, K-first rows of V). The same operations in the
 // same order as token_step with `out`, so the same bits; few registers, so more CTAs per SM.
-// Its reads of k, d and q (16-byte loads of a lane group's rows, 16 rows apart per group) are
-// 4-way bank conflicts; rows padded one word per group were 3-22% slower (the index's division
-// made the loads scalar), four words per group, keeping the vectors, is prepared as fe92c75
-// (docs/performance.md, fortieth session).
-template <bool SR>
+// PAD: k, d and q are rows in the padded layout (krow_at<true>, rows of KP), read per piece.
+template <bool SR, bool PAD = false>
 __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, int rs, const float* k, const float* d,
                                                   const float* q, const float* vp, int vlim, float beta,
                                                   float (&o)[TV], kda_u32 base, kda_u32 elem0) {
@@ -1638,7 +1647,8 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-            const int r = piece_row(t, e), c = piece_c(i, e);
+            // (K-first: krow_at<PAD>(t.row) without its division, which kept the loads scalar)
+            const int r = VFIRST || !PAD ? piece_row(t, e) : t.row + 4 * lk, c = piece_c(i, e);
             acc[c] = fmaf(k[r], x[e] * d[r], acc[c]);
         }
     });
@@ -1653,7 +1663,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-            const int r = piece_row(t, e), c = piece_c(i, e);
+            const int r = VFIRST || !PAD ? piece_row(t, e) : t.row + 4 * lk, c = piece_c(i, e);
             x[e] = fmaf(k[r], u[c], x[e] * d[r]);
             o[c] = fmaf(q[r], x[e], o[c]);
         }
@@ -2078,7 +2088,8 @@ __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* ds
 // The token-step warps: each item's activation and token step, in the buffer.
 __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* computed,
                                           kda_u32 total, int nb, int groups, int gw, int lane) {
-    __shared__ __align__(16) float sk[PIPE_MAX_GROUPS][KS], sd[PIPE_MAX_GROUPS][KS], sq[PIPE_MAX_GROUPS][KS],
+    // (the rows in token_step_stream's padded layout)
+    __shared__ __align__(16) float sk[PIPE_MAX_GROUPS][KP], sd[PIPE_MAX_GROUPS][KP], sq[PIPE_MAX_GROUPS][KP],
         sv[PIPE_MAX_GROUPS][VS];
     __shared__ float sbeta[PIPE_MAX_GROUPS];
     const int group = gw / PIPE_WARPS, warp = gw % PIPE_WARPS;
@@ -2100,12 +2111,12 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
         const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
         const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + L.scal);
         if (warp == 0) {
-            act_row(reinterpret_cast<const IT*>(buf + L.k), ak, l2, false, p.scale, lane);
+            act_row<false, true>(reinterpret_cast<const IT*>(buf + L.k), ak, l2, false, p.scale, lane);
         } else if (warp == 1) {
-            act_row(reinterpret_cast<const IT*>(buf + L.q), aq, l2, true, p.scale, lane);
+            act_row<false, true>(reinterpret_cast<const IT*>(buf + L.q), aq, l2, true, p.scale, lane);
         } else if (warp == 2) {
             const float a_exp = p.gate_mode ? expf(__uint_as_float(sc[1])) : 0.0f;
-            act_decay(reinterpret_cast<const IT*>(buf + L.g), reinterpret_cast<const float*>(buf + L.bias), ad, p,
+            act_decay<true>(reinterpret_cast<const IT*>(buf + L.g), reinterpret_cast<const float*>(buf + L.bias), ad, p,
                       a_exp, lane);
         } else if (warp == 3) {
             const IT* vr = reinterpret_cast<const IT*>(buf + L.v);
@@ -2117,10 +2128,11 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
         const kda_u32 elem0 = tile_elem0<true>(hv, 0);
         float o[TV];
         if (p.sr) {
-            token_step_stream<true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
-                                    kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0);
+            token_step_stream<true, true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
+                                          kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0);
         } else {
-            token_step_stream<false>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o, 0u, elem0);
+            token_step_stream<false, true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o, 0u,
+                                           elem0);
         }
         if (lk == 0 && col0l < V) store_out(reinterpret_cast<IT*>(p.out) + ((size_t)n * p.hv + hv) * V + col0l, o, col0l);
         bulk_fence();

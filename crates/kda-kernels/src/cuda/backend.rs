@@ -273,8 +273,9 @@ const BULK_IN_V_FIRST_FROM: usize = 192;
 /// against `kda_eager_tile_bulk`'s 115 and 2). H200 sweep (docs/performance.md, twenty-second
 /// session): 0.5-5% faster from 1920 heads (the more heads, the more), mostly slower at
 /// 384-1536 (up to 18%) and 1.7x slower at N = 1. fp32 and V-first pools were 2-22% slower
-/// with it at every size from N = 16.
-const STREAM_2_BYTE_K_FIRST_FROM: usize = 1920;
+/// with it at every size from N = 16. Below 2560 heads `kda_eager_bulk_pipe` runs instead
+/// ([`PIPE_2_BYTE_K_FIRST`]).
+const STREAM_2_BYTE_K_FIRST_FROM: usize = 2560;
 
 /// Bytes of one buffer of `kda_eager_bulk_pipe` (`PipeBuffer` in `kernels/kda_decode.cu`): a
 /// whole head's bulk tile, the key, query, gate and value rows, the gate biases and 16 bytes of
@@ -304,9 +305,23 @@ const PIPE_THREADS: usize = (8 * PIPE_GROUPS + 2) * 32;
 const PIPE_BUFFERS: usize = 6;
 
 /// Static shared memory of `kda_eager_bulk_pipe`, bytes: three barriers per buffer (up to 8
-/// buffers) and each step group's activated key, decay, query, values and beta.
+/// buffers) and each step group's activated key, decay, query (rows of `padded_k`), values and
+/// beta.
 fn pipe_static_smem(e: &EagerShape) -> usize {
-    3 * 8 * 8 + PIPE_GROUPS * ((3 * e.k.next_multiple_of(4) + e.v.next_multiple_of(4)) * 4 + 4)
+    3 * 8 * 8 + PIPE_GROUPS * ((3 * padded_k(e.k, e.v_first) + e.v.next_multiple_of(4)) * 4 + 4)
+}
+
+/// Length of a row of per-row values (key, decay, query) that `kda_eager_bulk_pipe`'s step
+/// reads (`KP` in `kernels/kda_decode.cu`): for K-first pools four words of padding after each
+/// lane group's rows, so that the lane groups' 16-byte loads hit different banks.
+fn padded_k(k: usize, v_first: bool) -> usize {
+    if v_first {
+        return k.next_multiple_of(4);
+    }
+    // the kernel's LK (lanes along K, a power of two) and TK (rows per lane)
+    let lk = k.div_ceil(16).next_power_of_two().min(32);
+    let tk = k.div_ceil(lk);
+    (lk * tk + 4 * lk).next_multiple_of(4)
 }
 
 /// Buffers of `kda_eager_bulk_pipe` at this shape: up to `PIPE_BUFFERS` of them that fit shared
@@ -330,6 +345,9 @@ fn pipe_buffers(e: &EagerShape, cw: usize) -> Option<usize> {
 /// (H200, docs/performance.md, thirty-first session: 1.6-11% faster at 384 to 1536 heads than
 /// `kda_eager_tile_bulk_in` (384) and `kda_eager_tile_bulk` (512-1536), the sixteenth session's
 /// choices there; level at 2048, 4-6% slower from 3072, where `kda_eager_tile_stream` stays).
+/// With its step's rows padded against bank conflicts (forty-first session) it was 2-4% faster
+/// and is the faster of the two up to 2560 heads: 0.6-2.2% at 1920-2048 heads, 0.7-1.8% at 2304
+/// (one case 0.4% slower), within 1% either way at 2556-2560, 0.9-1.7% slower at 3072.
 const PIPE_2_BYTE_K_FIRST: std::ops::Range<usize> = 384..STREAM_2_BYTE_K_FIRST_FROM;
 
 /// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
@@ -1720,8 +1738,8 @@ mod tests {
         }
         assert_ne!(mv(&with_bulk(4, 511, false)), Some(TileMove::Bulk));
         assert_ne!(mv(&with_bulk(4, 384, false)), Some(TileMove::BulkIn));
-        // 2-byte K-first pools at 384-1919 heads: the bulk pipe, six buffers of whole heads
-        for heads in [384, 768, 1919] {
+        // 2-byte K-first pools at 384-2559 heads: the bulk pipe, six buffers of whole heads
+        for heads in [384, 768, 1920, 2559] {
             let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
             assert_eq!(
                 (p.tile, p.warps, p.stages),
@@ -1822,9 +1840,9 @@ mod tests {
             bulk: true,
             ..shape(size, heads, v_first)
         };
-        // by default: 2-byte K-first pools from 1920 heads on a device with bulk copies, whole
+        // by default: 2-byte K-first pools from 2560 heads on a device with bulk copies, whole
         // heads, the slot read once
-        for heads in [1920, 2048, 8192] {
+        for heads in [2560, 3072, 8192] {
             let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
             assert_eq!(
                 (p.tile, p.warps, p.vblocks, p.slot_once),
@@ -1836,8 +1854,8 @@ mod tests {
         // not below, not for fp32 or V-first pools, not without bulk copies, not where another
         // kernel or 4-warp items are asked for
         for (size, v_first) in [(2, false), (2, true), (4, false), (4, true)] {
-            for heads in [12, 96, 384, 768, 1536, 1919, 2048, 8192] {
-                if size == 2 && !v_first && heads >= 1920 {
+            for heads in [12, 96, 384, 768, 1536, 2048, 2559, 3072, 8192] {
+                if size == 2 && !v_first && heads >= 2560 {
                     continue;
                 }
                 let p = eager_plan(&with_bulk(size, heads, v_first)).expect("plan");
@@ -1883,6 +1901,16 @@ mod tests {
             assert_eq!(p.smem, (128 * 128 + 8 * 16) * size);
             assert_eq!(p.slot_once, slot_once, "{size}-byte, {heads} heads");
         }
+    }
+
+    #[test]
+    fn padded_rows_have_four_words_per_lane_group_for_k_first_pools() {
+        // K = 128: 8 lane groups of 16 rows; 64: 4 of 16; 48: 4 of 12; 32: 2 of 16; 16: 1 of 16
+        for (k, kp) in [(128, 160), (64, 80), (48, 64), (32, 40), (16, 20)] {
+            assert_eq!(padded_k(k, false), kp, "K = {k}");
+        }
+        assert_eq!(padded_k(128, true), 128);
+        assert_eq!(padded_k(30, true), 32);
     }
 
     #[test]
