@@ -1641,14 +1641,21 @@ template <bool SR, bool PAD = false>
 __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, int rs, const float* k, const float* d,
                                                   const float* q, const float* vp, int vlim, float beta,
                                                   float (&o)[TV], kda_u32 base, kda_u32 elem0) {
+    if constexpr (PAD && !VFIRST) {
+        // krow_at<true>(t.row) as the lane group's row pointers moved once (indexing t.row +
+        // 4 lk per piece cost 8% more instructions in kda_eager_tile_stream; a division per
+        // piece kept the loads scalar)
+        k += 4 * lk;
+        d += 4 * lk;
+        q += 4 * lk;
+    }
     float acc[TV];
 #pragma unroll
     for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
     for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-            // (K-first: krow_at<PAD>(t.row) without its division, which kept the loads scalar)
-            const int r = VFIRST || !PAD ? piece_row(t, e) : t.row + 4 * lk, c = piece_c(i, e);
+            const int r = piece_row(t, e), c = piece_c(i, e);
             acc[c] = fmaf(k[r], x[e] * d[r], acc[c]);
         }
     });
@@ -1663,7 +1670,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-            const int r = VFIRST || !PAD ? piece_row(t, e) : t.row + 4 * lk, c = piece_c(i, e);
+            const int r = piece_row(t, e), c = piece_c(i, e);
             x[e] = fmaf(k[r], u[c], x[e] * d[r]);
             o[c] = fmaf(q[r], x[e], o[c]);
         }
