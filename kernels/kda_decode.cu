@@ -1237,18 +1237,17 @@ __device__ __forceinline__ void tile_copy_out(const unsigned char* src, ST* head
 // with fewer than 3 warps) the decays, the values of the CTA's cwv columns and beta. k, q, g,
 // v: the raw rows (in a stage or in global memory), bias: the head's dt_bias row, beta_raw and
 // a_log: the raw scalars (a_log used only with a gate).
-template <bool PAD = false>
 __device__ __forceinline__ void eager_activate(const KdaParams& p, const IT* k, const IT* q, const IT* g,
                                                const float* bias, const IT* v, int cwv, float beta_raw,
                                                float a_log, float* ak, float* aq, float* ad, float* av,
                                                float* abeta) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    if (warp == 0) act_row<false, PAD>(k, ak, p.l2norm != 0u, false, p.scale, lane);
-    if (warp == (nwarps > 1 ? 1 : 0)) act_row<false, PAD>(q, aq, p.l2norm != 0u, true, p.scale, lane);
+    if (warp == 0) act_row(k, ak, p.l2norm != 0u, false, p.scale, lane);
+    if (warp == (nwarps > 1 ? 1 : 0)) act_row(q, aq, p.l2norm != 0u, true, p.scale, lane);
     const int d0 = nwarps > 2 ? 64 : 0, dn = (int)blockDim.x - d0, tid = (int)threadIdx.x - d0;
     if (tid >= 0) {
         const float a_exp = p.gate_mode ? expf(a_log) : 0.0f;
-        for (int kk = tid; kk < K; kk += dn) ad[krow_at<PAD>(kk)] = decay_of(g, bias, kk, p, a_exp);
+        for (int kk = tid; kk < K; kk += dn) ad[kk] = decay_of(g, bias, kk, p, a_exp);
         for (int c = tid; c < cwv; c += dn) av[c] = kda_load(v[c]);
         if (tid == 0) *abeta = act_beta(beta_raw, p);
     }
@@ -1740,8 +1739,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     constexpr bool SLOT_AGAIN = BULK && !VFIRST && sizeof(ST) == 4;
     extern __shared__ __align__(16) unsigned char eager_dsm[];
     __shared__ kda_u64 bulk_bar;
-    // (STREAM: the rows in token_step_stream's padded layout)
-    __shared__ __align__(16) float ak[STREAM ? KP : KS], ad[STREAM ? KP : KS], aq[STREAM ? KP : KS], av[VS];
+    __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
     __shared__ float abeta;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const int lk = lane / LV, lv = lane % LV;
@@ -1829,9 +1827,9 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
 #pragma unroll
             for (int i = 0; i < KL; ++i) xf[i] = input_from_bits(x[i]);
             if (warp == 0) {
-                act_finish<false, STREAM>(xf, ak, l2, false, p.scale, lane);
+                act_finish(xf, ak, l2, false, p.scale, lane);
             } else {
-                act_finish<false, STREAM>(xf, aq, l2, true, p.scale, lane);
+                act_finish(xf, aq, l2, true, p.scale, lane);
             }
         } else {
             const float a_exp = p.gate_mode ? expf(alog) : 0.0f;
@@ -1839,7 +1837,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
             for (int j = 0; j < DKE; ++j) {
                 const int kk = tid + j * dn;
                 const float b = __uint_as_float(x[DKE + j]);
-                if (kk < K) ad[krow_at<STREAM>(kk)] = decay_at(input_from_bits(x[j]), &b, p, a_exp);
+                if (kk < K) ad[kk] = decay_at(input_from_bits(x[j]), &b, p, a_exp);
             }
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
@@ -1849,7 +1847,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
             if (tid == 0) abeta = act_beta(input_from_bits(braw), p);
         }
     } else {
-        eager_activate<STREAM>(p, kp, qp, gp, bias, vp, cwv, kda_load(*bp),
+        eager_activate(p, kp, qp, gp, bias, vp, cwv, kda_load(*bp),
                        p.gate_mode ? reinterpret_cast<const float*>(p.a_log)[hv] : 0.0f, ak, aq, ad, av, &abeta);
     }
     if constexpr (STAGED) cp_async_wait<0>();
@@ -1878,10 +1876,10 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         const kda_u32 elem0 = tile_elem0<true>(hv, it.cb);
         if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            token_step_stream<true, true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
+            token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
                                     kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
         } else {
-            token_step_stream<false, true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
+            token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
         }
     } else {
         token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
