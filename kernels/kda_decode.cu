@@ -1642,9 +1642,8 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
                                                   const float* q, const float* vp, int vlim, float beta,
                                                   float (&o)[TV], kda_u32 base, kda_u32 elem0) {
     if constexpr (PAD && !VFIRST) {
-        // krow_at<true>(t.row) as the lane group's row pointers moved once (indexing t.row +
-        // 4 lk per piece cost 8% more instructions in kda_eager_tile_stream; a division per
-        // piece kept the loads scalar)
+        // krow_at<true>(t.row): the lane group's rows start 4 lk words later (the reads index
+        // t.row, no division, which kept the loads scalar)
         k += 4 * lk;
         d += 4 * lk;
         q += 4 * lk;
