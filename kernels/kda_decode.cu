@@ -1738,8 +1738,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     constexpr bool SLOT_AGAIN = BULK && !VFIRST && sizeof(ST) == 4;
     extern __shared__ __align__(16) unsigned char eager_dsm[];
     __shared__ kda_u64 bulk_bar;
-    // (experiment: the stream kernel's rows sized as padded rows but read and written unpadded)
-    __shared__ __align__(16) float ak[STREAM ? KP : KS], ad[STREAM ? KP : KS], aq[STREAM ? KP : KS], av[VS];
+    __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
     __shared__ float abeta;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const int lk = lane / LV, lv = lane % LV;
