@@ -110,11 +110,15 @@ pub(crate) fn device_err(what: &str, e: impl std::fmt::Display) -> KernelError {
     }
 }
 
-/// The lane geometry of `kda_step` for key dim `k` (mirrors the kernel's constexprs):
-/// columns covered by one warp.
+/// The lane geometry of `kda_step` for key dim `k` (mirrors the kernel's constexprs): lanes
+/// along K (`LK`, a power of two).
+fn lanes_k(k: usize) -> usize {
+    k.div_ceil(16).next_power_of_two().min(32)
+}
+
+/// The lane geometry of `kda_step` for key dim `k`: columns covered by one warp.
 fn warp_columns(k: usize) -> usize {
-    let lk = k.div_ceil(16).next_power_of_two().min(32);
-    (32 / lk) * 4
+    (32 / lanes_k(k)) * 4
 }
 
 /// Whether the pipelined kernels (`kda_eager`, `kda_ring`) can copy a state tile of key dim
@@ -122,7 +126,7 @@ fn warp_columns(k: usize) -> usize {
 /// chunks into shared memory and read it back with `kda_step`'s lane mapping (LK, RG, WC of
 /// `kernels/kda_decode.cu`).
 fn tile_fits(k: usize, v: usize, state_size: usize) -> bool {
-    let lk = k.div_ceil(16).next_power_of_two().min(32);
+    let lk = lanes_k(k);
     let sv = 16 / state_size;
     let rg = if k.is_multiple_of(sv) { sv } else { 1 };
     k.is_multiple_of(lk)
@@ -248,8 +252,11 @@ const STAGE_STORE_ROW_BYTES: usize = 256;
 /// tile as in the pool; K-first its rows, each lane group's shifted by a warp's columns
 /// (`bulk_row` in `kernels/kda_decode.cu`).
 fn bulk_tile_bytes(k: usize, cw: usize, v_first: bool, state_size: usize) -> usize {
-    let lk = k.div_ceil(16).next_power_of_two().min(32);
-    let shifts = if v_first { 0 } else { lk * warp_columns(k) };
+    let shifts = if v_first {
+        0
+    } else {
+        lanes_k(k) * warp_columns(k)
+    };
     (k * cw + shifts) * state_size
 }
 
@@ -318,8 +325,8 @@ fn padded_k(k: usize, v_first: bool) -> usize {
     if v_first {
         return k.next_multiple_of(4);
     }
-    // the kernel's LK (lanes along K, a power of two) and TK (rows per lane)
-    let lk = k.div_ceil(16).next_power_of_two().min(32);
+    // the kernel's TK (rows per lane)
+    let lk = lanes_k(k);
     let tk = k.div_ceil(lk);
     (lk * tk + 4 * lk).next_multiple_of(4)
 }
