@@ -8,8 +8,8 @@
 //! - [`validate`]: the checks every operation runs before touching the pool, and the ring
 //!   contract as a per-sequence plan;
 //! - `ring`, `exec`, `tensor`: the ring's data, the execution of a plan, typed buffer access;
-//! - [`reference`]: a plain f64 implementation of section 2, token by token, for tests and the
-//!   accuracy report.
+//! - [`reference`](mod@reference): a plain f64 implementation of section 2, token by token, for
+//!   tests and the accuracy report.
 
 pub mod chunk;
 mod exec;

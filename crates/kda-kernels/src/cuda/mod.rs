@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod memory;
+mod nvrtc;
 mod params;
 mod registry;
 pub mod timing;

@@ -1,6 +1,7 @@
 //! The lazy kernel registry: the kernel sources of `kernels/` (embedded with `include_str!`)
 //! are specialised by prepending `#define`s, compiled with NVRTC for the device's compute
-//! capability on first use (or ahead of it, several in parallel: [`warm_up`]), loaded, and
+//! capability (to machine code by default, PTX with `KDA_CUDA_CODE=ptx`: [`super::nvrtc`]) on
+//! first use (or ahead of it, several in parallel: [`warm_up`]), loaded, and
 //! cached for the rest of the process, one module per (device, state dtype, input dtype,
 //! layout, K, V), plus one for the fill and copy kernels. A module's compile holds only that
 //! module's slot, so different modules compile at the same time.
@@ -12,9 +13,10 @@ use parking_lot::Mutex;
 use rayon::prelude::*;
 
 use cudarc::driver::{CudaContext, CudaFunction};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use state_pool::{Dtype, PoolGeometry, StateLayout};
 
+use super::nvrtc::{compile_cubin, CodeKind};
 use crate::choice::RingKernel;
 use crate::error::{KernelError, Result};
 
@@ -227,24 +229,37 @@ fn compile(
             break;
         }
     }
-    let opts = CompileOptions {
-        include_paths,
-        name: Some(name.to_string()),
-        options: vec![
-            format!("--gpu-architecture=sm_{major}{minor}"),
-            "--std=c++17".to_string(),
-        ],
-        ..Default::default()
+    let arch = format!("--gpu-architecture=sm_{major}{minor}");
+    let code = match CodeKind::from_env().map_err(unavailable)? {
+        CodeKind::Cubin => {
+            let mut options: Vec<String> = include_paths
+                .iter()
+                .map(|p| format!("--include-path={p}"))
+                .collect();
+            options.extend([arch, "--std=c++17".to_string()]);
+            Ptx::from_binary(
+                compile_cubin(src, name, &options)
+                    .map_err(|e| unavailable(format!("NVRTC failed to compile {name}: {e}")))?,
+            )
+        }
+        CodeKind::Ptx => {
+            let opts = CompileOptions {
+                include_paths,
+                name: Some(name.to_string()),
+                options: vec![arch, "--std=c++17".to_string()],
+                ..Default::default()
+            };
+            compile_ptx_with_opts(src, opts).map_err(|e| match e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => unavailable(format!(
+                    "NVRTC failed to compile {name}: {}",
+                    log.to_string_lossy()
+                )),
+                other => unavailable(format!("NVRTC failed on {name}: {other}")),
+            })?
+        }
     };
-    let ptx = compile_ptx_with_opts(src, opts).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => unavailable(format!(
-            "NVRTC failed to compile {name}: {}",
-            log.to_string_lossy()
-        )),
-        other => unavailable(format!("NVRTC failed on {name}: {other}")),
-    })?;
     let module = ctx
-        .load_module(ptx)
+        .load_module(code)
         .map_err(|e| unavailable(format!("loading module {name}: {e}")))?;
     funcs
         .iter()
@@ -421,31 +436,25 @@ pub(crate) fn copy_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
 mod tests {
     use super::*;
 
-    /// Compiles a source for sm_90 with NVRTC to PTX; `None` when no NVRTC library is present.
-    fn try_compile(src: &str, name: &str) -> Option<std::result::Result<String, String>> {
+    /// Compiles a source for sm_90 with NVRTC to a CUBIN (as `compile` does by default);
+    /// `None` when no NVRTC library is present.
+    fn try_compile(src: &str, name: &str) -> Option<std::result::Result<Vec<u8>, String>> {
         // SAFETY: only tries to open the shared library.
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return None;
         }
-        let opts = CompileOptions {
-            name: Some(name.into()),
-            options: vec!["--gpu-architecture=sm_90".into(), "--std=c++17".into()],
-            ..Default::default()
-        };
-        Some(
-            compile_ptx_with_opts(src, opts)
-                .map(|ptx| ptx.to_src())
-                .map_err(|e| format!("{e}")),
-        )
+        let options = [
+            "--gpu-architecture=sm_90".to_string(),
+            "--std=c++17".to_string(),
+        ];
+        Some(compile_cubin(src, name, &options))
     }
 
-    /// Whether the PTX defines an entry point `name` (what `load_function` looks up).
-    fn has_entry(ptx: &str, name: &str) -> bool {
-        ptx.lines().any(|l| {
-            l.trim_start()
-                .strip_prefix(".visible .entry ")
-                .is_some_and(|rest| rest.strip_prefix(name).is_some_and(|t| t.starts_with('(')))
-        })
+    /// Whether the CUBIN's string table names a symbol `name` (an entry point that
+    /// `load_function` looks up is one of its symbols).
+    fn has_entry(cubin: &[u8], name: &str) -> bool {
+        let sym = [b"\0", name.as_bytes(), b"\0"].concat();
+        cubin.windows(sym.len()).any(|w| w == sym.as_slice())
     }
 
     #[test]
@@ -524,19 +533,22 @@ mod tests {
                 eprintln!("skipped: no NVRTC library on this machine");
                 return;
             };
-            let ptx = r.unwrap_or_else(|e| panic!("{key:?}: {e}"));
+            let cubin = r.unwrap_or_else(|e| panic!("{key:?}: {e}"));
             for f in step_module(*key).map(Key::entry) {
-                assert!(has_entry(&ptx, f), "{key:?}: no entry point {f} in the PTX");
+                assert!(
+                    has_entry(&cubin, f),
+                    "{key:?}: no entry point {f} in the CUBIN"
+                );
             }
             assert!(
-                !has_entry(&ptx, "kda_eage"),
+                !has_entry(&cubin, "kda_eage"),
                 "has_entry matches whole names only"
             );
         }
         if let Some(r) = try_compile(&source("", FILL), "kda_fill.cu") {
-            let ptx = r.unwrap();
+            let cubin = r.unwrap();
             for f in [Key::Fill, Key::Copy].map(Key::entry) {
-                assert!(has_entry(&ptx, f), "kda_fill.cu: no entry point {f}");
+                assert!(has_entry(&cubin, f), "kda_fill.cu: no entry point {f}");
             }
         }
     }

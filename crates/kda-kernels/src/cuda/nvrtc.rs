@@ -1,0 +1,113 @@
+//! NVRTC straight to machine code: a module compiled for the device's real architecture comes
+//! back as a CUBIN, assembled by NVRTC's own ptxas, instead of PTX that the driver's JIT
+//! assembles at load time. The code that runs is then the code `tools/offline/kernel_sass.sh`
+//! shows (CUDA 13.0's ptxas) whatever the driver; the driver's JIT made different register
+//! choices (forty-second session: a stack frame and spills in `kda_eager_tile_stream` that
+//! NVRTC's ptxas does not make). `KDA_CUDA_CODE=ptx` hands the driver PTX instead (for a GPU
+//! newer than the NVRTC library, whose JIT then assembles it).
+
+use std::ffi::{CStr, CString};
+
+use cudarc::nvrtc::{result, sys};
+
+/// The environment variable that picks what NVRTC hands the driver.
+pub(crate) const CODE_ENV: &str = "KDA_CUDA_CODE";
+
+/// What NVRTC hands the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CodeKind {
+    /// Machine code for the device's architecture (the default).
+    Cubin,
+    /// PTX, assembled by the driver's JIT when the module is loaded.
+    Ptx,
+}
+
+impl CodeKind {
+    /// The kind named by `value` (`KDA_CUDA_CODE`; unset: CUBIN), or an error naming the
+    /// variable, the value and what is accepted.
+    pub(crate) fn parse(value: Option<&str>) -> Result<Self, String> {
+        match value.map(str::trim) {
+            None | Some("") | Some("cubin") => Ok(CodeKind::Cubin),
+            Some("ptx") => Ok(CodeKind::Ptx),
+            Some(other) => Err(format!(
+                "{CODE_ENV}={other:?} is not accepted: use \"cubin\" (the default) or \"ptx\""
+            )),
+        }
+    }
+
+    /// The kind `KDA_CUDA_CODE` names.
+    pub(crate) fn from_env() -> Result<Self, String> {
+        Self::parse(std::env::var(CODE_ENV).ok().as_deref())
+    }
+}
+
+/// An NVRTC program, destroyed when dropped.
+struct Program {
+    prog: sys::nvrtcProgram,
+    // NVRTC may refer to the source and the name until the program is destroyed
+    _src: CString,
+    _name: CString,
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: `prog` was created by `create_program` and is destroyed here only, once.
+        let _ = unsafe { result::destroy_program(self.prog) };
+    }
+}
+
+/// Compiles `src` (named `name` in messages) with NVRTC `options`, which must name a real
+/// architecture (`--gpu-architecture=sm_XY`), and returns the CUBIN; the error is NVRTC's
+/// result and its log.
+pub(crate) fn compile_cubin(src: &str, name: &str, options: &[String]) -> Result<Vec<u8>, String> {
+    let src = CString::new(src).map_err(|_| format!("{name}: the source contains a NUL byte"))?;
+    let name_c =
+        CString::new(name).map_err(|_| format!("{name:?}: the name contains a NUL byte"))?;
+    let prog = result::create_program(&src, Some(&name_c)).map_err(|e| format!("{name}: {e:?}"))?;
+    let p = Program {
+        prog,
+        _src: src,
+        _name: name_c,
+    };
+    // SAFETY: `p.prog` is a live program (destroyed only when `p` drops, after this call).
+    if let Err(e) = unsafe { result::compile_program(p.prog, options) } {
+        // SAFETY: as above.
+        let log = unsafe { result::get_program_log(p.prog) }
+            .map(|l| {
+                // SAFETY: NVRTC writes the log with its terminating NUL (`l` holds it all).
+                unsafe { CStr::from_ptr(l.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .unwrap_or_default();
+        return Err(format!("{e:?}: {log}"));
+    }
+    let mut size = 0usize;
+    // SAFETY: `p.prog` is live and compiled; `size` is a valid out-pointer.
+    unsafe { sys::nvrtcGetCUBINSize(p.prog, &mut size) }
+        .result()
+        .map_err(|e| format!("{name}: no CUBIN ({e:?})"))?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` has the `size` bytes NVRTC said it writes.
+    unsafe { sys::nvrtcGetCUBIN(p.prog, cubin.as_mut_ptr().cast()) }
+        .result()
+        .map_err(|e| format!("{name}: no CUBIN ({e:?})"))?;
+    Ok(cubin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_kind_defaults_to_cubin_and_names_what_it_accepts() {
+        assert_eq!(CodeKind::parse(None), Ok(CodeKind::Cubin));
+        assert_eq!(CodeKind::parse(Some("cubin")), Ok(CodeKind::Cubin));
+        assert_eq!(CodeKind::parse(Some(" ptx ")), Ok(CodeKind::Ptx));
+        let e = CodeKind::parse(Some("sass")).unwrap_err();
+        assert!(
+            e.contains("KDA_CUDA_CODE") && e.contains("\"sass\"") && e.contains("\"ptx\""),
+            "{e}"
+        );
+    }
+}
