@@ -1619,21 +1619,12 @@ __device__ __forceinline__ void piece_load(const ST* bt, const TilePiece& t, flo
     }
 }
 
-// Whether a K-first tile of whole rows (rs = V, every lane's columns inside) needs no bounds:
-// every lane's TK rows lie inside K and its TV columns are one vector.
-constexpr bool WHOLE_PIECES = !VFIRST && LK * TK == K && V % TV == 0 && PIECE_VEC;
-
 // Calls f(i, piece, its elements as f32) for the lane's pieces i = 0.. of `tile` in order.
-// WHOLE (WHOLE_PIECES only): the tile's rows are V long and the lane's columns inside (col0 <
-// V), so no piece is out of bounds: no bounds tests, and each piece's offset an immediate
-// from one register.
-template <bool WHOLE = false, typename F>
+template <typename F>
 __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0, int rs, F&& f) {
-    static_assert(!WHOLE || WHOLE_PIECES, "whole pieces: K-first vectors of whole rows");
 #pragma unroll
     for (int i = 0; i < NPC; ++i) {
-        const int kr = row_of(lk, i);
-        const TilePiece t = WHOLE ? TilePiece{kr * V + col0, kr, col0, true} : tile_piece(i, lk, col0, rs);
+        const TilePiece t = tile_piece(i, lk, col0, rs);
         float x[PE];
         piece_load(tile, t, x);
         f(i, t, x);
@@ -1646,8 +1637,7 @@ __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0,
 // store_tile: the stochastic offsets from elem0, K-first rows of V). The same operations in the
 // same order as token_step with `out`, so the same bits; few registers, so more CTAs per SM.
 // PAD: k, d and q are rows in the padded layout (krow_at<true>, rows of KP), read per piece.
-// WHOLE: the tile's rows are V long (rs = V) and the lane's columns inside (for_each_piece).
-template <bool SR, bool PAD = false, bool WHOLE = false>
+template <bool SR, bool PAD = false>
 __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, int rs, const float* k, const float* d,
                                                   const float* q, const float* vp, int vlim, float beta,
                                                   float (&o)[TV], kda_u32 base, kda_u32 elem0) {
@@ -1661,7 +1651,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     float acc[TV];
 #pragma unroll
     for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
-    for_each_piece<WHOLE>(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
+    for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
             const int r = piece_row(t, e), c = piece_c(i, e);
@@ -1676,14 +1666,14 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
         u[c] = beta * (vv - acc[c]);
         o[c] = 0.0f;
     }
-    for_each_piece<WHOLE>(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
+    for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
             const int r = piece_row(t, e), c = piece_c(i, e);
             x[e] = fmaf(k[r], u[c], x[e] * d[r]);
             o[c] = fmaf(q[r], x[e], o[c]);
         }
-        if (!WHOLE && col0 >= V) return; // a lane past the item's columns: sums only
+        if (col0 >= V) return; // a lane past the item's columns: sums only
         if constexpr (PIECE_VEC && !SR) {
             // (stochastic stores element by element: four hashes at once spilled registers)
             if (!t.whole) return;
@@ -1707,7 +1697,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
 #pragma unroll
             for (int e = 0; e < PE; ++e) {
                 const int r = piece_row(t, e), col = VFIRST ? t.col : t.col + e;
-                if (WHOLE || (r < K && col < V)) tile[t.off + e] = round_elem<SR>(x[e], base, elem0 + piece_elem(t, e));
+                if (r < K && col < V) tile[t.off + e] = round_elem<SR>(x[e], base, elem0 + piece_elem(t, e));
             }
         }
     });
@@ -1883,20 +1873,10 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     float o[TV];
     if constexpr (STREAM) {
         const kda_u32 elem0 = tile_elem0<true>(hv, it.cb);
-        // a whole head (the default: 8 warps at V = 128): its pieces without bounds
-        const bool whole = WHOLE_PIECES && cw == V && cwv == V;
         if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            const kda_u32 base = kda_sr_base(seed, p.layer, slot, p.epoch);
-            if (whole) {
-                token_step_stream<true, false, WHOLE_PIECES>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l,
-                                                             abeta, o, base, elem0);
-            } else {
-                token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, base, elem0);
-            }
-        } else if (whole) {
-            token_step_stream<false, false, WHOLE_PIECES>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta,
-                                                          o, 0u, elem0);
+            token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
+                                    kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
         } else {
             token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
         }
