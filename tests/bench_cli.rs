@@ -47,3 +47,19 @@ fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
         "expected all, none or a list of piped, tile, staged, bulk, bulkin, stream, pipe, blocked, mma, delta, delta-staged, step",
     );
 }
+
+/// A `KDA_CUDA_CODE` the CUDA backend does not know is refused when the backend is created, with
+/// or without a GPU (it is checked before the driver is).
+#[cfg(feature = "cuda")]
+#[test]
+fn an_unknown_kda_cuda_code_is_one_line_and_exit_code_2() {
+    let o = Command::new(BIN)
+        .args(["bench", "--op", "decode", "--heads", "12", "--seqs", "1"])
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .env("KDA_CUDA_CODE", "sass")
+        .output()
+        .expect("the kda-pool binary runs");
+    cli_kit::assert_usage_error(&o, "KDA_CUDA_CODE=\"sass\" is not accepted");
+    cli_kit::assert_usage_error(&o, "\"cubin\" (the default) or \"ptx\"");
+}

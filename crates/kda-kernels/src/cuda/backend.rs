@@ -21,6 +21,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::memory::{CudaBuffer, CudaMemory};
+use super::nvrtc::CodeKind;
 use super::params::{
     FastDiv, KdaParams, OpCode, EARLY_PREFETCH, EARLY_SLOT_ONCE, ERR_ACCEPTED, ERR_DECODE_DRAFTS,
     ERR_META, NO_SLOT,
@@ -787,9 +788,11 @@ impl CudaBackend {
         Self::on_device(0)
     }
 
-    /// The backend on device `ordinal`. No driver, no device or no NVRTC is
-    /// [`KernelError::Unavailable`].
+    /// The backend on device `ordinal`. No driver, no device, no NVRTC or a `KDA_CUDA_CODE`
+    /// other than `cubin` or `ptx` is [`KernelError::Unavailable`].
     pub fn on_device(ordinal: usize) -> Result<Self> {
+        // what NVRTC will hand the driver, checked before anything is loaded
+        CodeKind::from_env().map_err(unavailable)?;
         // SAFETY: only tries to open the shared libraries; no CUDA call is made.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(unavailable("no CUDA driver library (libcuda) found"));
