@@ -56,14 +56,13 @@ impl Drop for Program {
     }
 }
 
-/// Compiles `src` (named `name` in messages) with NVRTC `options`, which must name a real
-/// architecture (`--gpu-architecture=sm_XY`), and returns the CUBIN; the error is NVRTC's
-/// result and its log.
+/// Compiles `src` as the program `name` with NVRTC `options`, which must name a real
+/// architecture (`--gpu-architecture=sm_XY`), and returns the CUBIN; the error (for the caller
+/// to prefix with the program's name) is NVRTC's result and its log.
 pub(crate) fn compile_cubin(src: &str, name: &str, options: &[String]) -> Result<Vec<u8>, String> {
-    let src = CString::new(src).map_err(|_| format!("{name}: the source contains a NUL byte"))?;
-    let name_c =
-        CString::new(name).map_err(|_| format!("{name:?}: the name contains a NUL byte"))?;
-    let prog = result::create_program(&src, Some(&name_c)).map_err(|e| format!("{name}: {e:?}"))?;
+    let src = CString::new(src).map_err(|_| "the source contains a NUL byte".to_string())?;
+    let name_c = CString::new(name).map_err(|_| "the name contains a NUL byte".to_string())?;
+    let prog = result::create_program(&src, Some(&name_c)).map_err(|e| format!("{e:?}"))?;
     let p = Program {
         prog,
         _src: src,
@@ -86,12 +85,15 @@ pub(crate) fn compile_cubin(src: &str, name: &str, options: &[String]) -> Result
     // SAFETY: `p.prog` is live and compiled; `size` is a valid out-pointer.
     unsafe { sys::nvrtcGetCUBINSize(p.prog, &mut size) }
         .result()
-        .map_err(|e| format!("{name}: no CUBIN ({e:?})"))?;
+        .map_err(|e| format!("no CUBIN ({e:?})"))?;
+    if size == 0 {
+        return Err("no CUBIN (is the architecture a real one, sm_XY?)".to_string());
+    }
     let mut cubin = vec![0u8; size];
     // SAFETY: `cubin` has the `size` bytes NVRTC said it writes.
     unsafe { sys::nvrtcGetCUBIN(p.prog, cubin.as_mut_ptr().cast()) }
         .result()
-        .map_err(|e| format!("{name}: no CUBIN ({e:?})"))?;
+        .map_err(|e| format!("no CUBIN ({e:?})"))?;
     Ok(cubin)
 }
 
@@ -109,5 +111,27 @@ mod tests {
             e.contains("KDA_CUDA_CODE") && e.contains("\"sass\"") && e.contains("\"ptx\""),
             "{e}"
         );
+    }
+
+    #[test]
+    fn compile_cubin_returns_machine_code_or_nvrtcs_log() {
+        // SAFETY: only tries to open the shared library.
+        if !unsafe { sys::is_culib_present() } {
+            eprintln!("skipped: no NVRTC library on this machine");
+            return;
+        }
+        let opts = |arch: &str| [format!("--gpu-architecture={arch}")];
+        let src = "extern \"C\" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }";
+        let cubin = compile_cubin(src, "twice.cu", &opts("sm_90")).expect("compiles");
+        assert_eq!(&cubin[..4], b"\x7fELF", "a CUBIN is an ELF image");
+        let e =
+            compile_cubin("__global__ void broken( {", "broken.cu", &opts("sm_90")).unwrap_err();
+        assert!(
+            e.contains("NVRTC_ERROR_COMPILATION") && e.contains("broken.cu"),
+            "{e}"
+        );
+        // a virtual architecture gives PTX only
+        let e = compile_cubin(src, "twice.cu", &opts("compute_90")).unwrap_err();
+        assert!(e.contains("no CUBIN"), "{e}");
     }
 }
