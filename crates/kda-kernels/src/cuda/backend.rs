@@ -510,18 +510,8 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
                 None => stages * stage,
                 Some(TileMove::Direct) => 0,
                 Some(TileMove::Staged) => r16(e.k * cw * e.state_size),
-                Some(TileMove::Bulk | TileMove::BulkIn) => {
+                Some(TileMove::Bulk | TileMove::BulkIn | TileMove::Stream) => {
                     bulk_tile_bytes(e.k, cw, e.v_first, e.state_size)
-                }
-                // (probe: fewer stream CTAs per SM by asking for unused shared memory: 255 and
-                // 254 sequences of 32 or 12 heads get 8 KB (5 CTAs) and 20 KB (4 CTAs) more)
-                Some(TileMove::Stream) => {
-                    bulk_tile_bytes(e.k, cw, e.v_first, e.state_size)
-                        + match e.heads {
-                            8160 | 3060 => 8192,
-                            8128 | 3048 => 20480,
-                            _ => 0,
-                        }
                 }
             },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
