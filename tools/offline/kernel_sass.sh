@@ -67,9 +67,14 @@ regs)
     build "${2:-}" "$tmp/a"
     for v in "${variants[@]}"; do
         read -r st _ vf <<<"$v"
-        grep -E "Compiling entry|registers|spill" "$tmp/a/$st-$vf.log" | paste - - - |
-            sed -E "s/.*entry function '([a-z_]+)'.* ([0-9]+) bytes spill stores.* Used ([0-9]+) registers.*/\1 \3 registers, \2 bytes spilled/" |
-            sed "s/^/$st $([ "$vf" = 1 ] && echo V-first || echo K-first): /"
+        # per entry: its name, then (after any device function's properties) its spills and
+        # registers; a device function's spill line alone is not an entry's
+        awk -v tag="$st $([ "$vf" = 1 ] && echo V-first || echo K-first)" '
+            /Compiling entry function/ { match($0, /\x27[a-z_]+\x27/); name = substr($0, RSTART + 1, RLENGTH - 2); spill = "?"; next }
+            /Function properties for/ { props = $NF; next }
+            /bytes spill stores/ { if (name != "" && props == name) spill = $5; next }
+            /Used [0-9]+ registers/ && name != "" { print tag ": " name " " $5 " registers, " spill " bytes spilled"; name = "" }
+        ' "$tmp/a/$st-$vf.log"
     done
     ;;
 cmp)
