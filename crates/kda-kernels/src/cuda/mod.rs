@@ -8,6 +8,7 @@
 //! - [`timing`]: CUDA graphs, events and the copy bandwidth for benchmarks.
 
 pub mod backend;
+mod cubin_cache;
 pub mod memory;
 mod nvrtc;
 mod params;

@@ -41,6 +41,16 @@ impl CodeKind {
     }
 }
 
+/// NVRTC's version ("13.0"), which decides a CUBIN's bytes along with the source and options.
+pub(crate) fn nvrtc_version() -> Result<String, String> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two valid out-pointers; nvrtcVersion reads nothing else.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| format!("NVRTC version: {e:?}"))?;
+    Ok(format!("{major}.{minor}"))
+}
+
 /// An NVRTC program, destroyed when dropped.
 struct Program {
     prog: sys::nvrtcProgram,
@@ -124,6 +134,14 @@ mod tests {
         let src = "extern \"C\" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }";
         let cubin = compile_cubin(src, "twice.cu", &opts("sm_90")).expect("compiles");
         assert_eq!(&cubin[..4], b"\x7fELF", "a CUBIN is an ELF image");
+        // the same source and options give the same bytes (what the module cache relies on)
+        assert_eq!(compile_cubin(src, "twice.cu", &opts("sm_90")), Ok(cubin));
+        let v = nvrtc_version().expect("NVRTC's version");
+        let (major, minor) = v.split_once('.').expect("major.minor");
+        assert!(
+            major.parse::<u32>().is_ok() && minor.parse::<u32>().is_ok(),
+            "{v}"
+        );
         let e =
             compile_cubin("__global__ void broken( {", "broken.cu", &opts("sm_90")).unwrap_err();
         assert!(

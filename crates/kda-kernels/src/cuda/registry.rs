@@ -12,11 +12,12 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
-use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use state_pool::{Dtype, PoolGeometry, StateLayout};
 
-use super::nvrtc::{compile_cubin, CodeKind};
+use super::cubin_cache::CubinCache;
+use super::nvrtc::{compile_cubin, nvrtc_version, CodeKind};
 use crate::choice::RingKernel;
 use crate::error::{KernelError, Result};
 
@@ -204,6 +205,43 @@ fn unavailable(reason: String) -> KernelError {
     }
 }
 
+/// Compiles `src` to a CUBIN with NVRTC `options` (or takes it from the `KDA_KERNEL_CACHE`
+/// directory, keyed by the source, the options and NVRTC's version) and loads it. A cached
+/// CUBIN the driver refuses is compiled again and replaced.
+fn load_cubin(
+    ctx: &Arc<CudaContext>,
+    src: &str,
+    name: &str,
+    options: &[String],
+) -> Result<Arc<CudaModule>> {
+    let compile_now = || {
+        compile_cubin(src, name, options)
+            .map_err(|e| unavailable(format!("NVRTC failed to compile {name}: {e}")))
+    };
+    let load = |cubin: Vec<u8>| ctx.load_module(Ptx::from_binary(cubin));
+    let load_err = |e| unavailable(format!("loading module {name}: {e}"));
+    let Some(cache) = CubinCache::from_env() else {
+        return load(compile_now()?).map_err(load_err);
+    };
+    let version = nvrtc_version().map_err(unavailable)?;
+    let key = CubinCache::key(&[
+        src.as_bytes(),
+        options.join("\n").as_bytes(),
+        version.as_bytes(),
+    ]);
+    if let Some(cubin) = cache.get(&key) {
+        match load(cubin) {
+            Ok(m) => return Ok(m),
+            Err(e) => {
+                tracing::warn!("{name}: the cached module was refused ({e}); compiling it again")
+            }
+        }
+    }
+    let cubin = compile_now()?;
+    cache.put(&key, &cubin);
+    load(cubin).map_err(load_err)
+}
+
 /// Compiles one module and loads the named functions from it.
 fn compile(
     ctx: &Arc<CudaContext>,
@@ -230,17 +268,14 @@ fn compile(
         }
     }
     let arch = format!("--gpu-architecture=sm_{major}{minor}");
-    let code = match CodeKind::from_env().map_err(unavailable)? {
+    let module = match CodeKind::from_env().map_err(unavailable)? {
         CodeKind::Cubin => {
             let mut options: Vec<String> = include_paths
                 .iter()
                 .map(|p| format!("--include-path={p}"))
                 .collect();
             options.extend([arch, "--std=c++17".to_string()]);
-            Ptx::from_binary(
-                compile_cubin(src, name, &options)
-                    .map_err(|e| unavailable(format!("NVRTC failed to compile {name}: {e}")))?,
-            )
+            load_cubin(ctx, src, name, &options)?
         }
         CodeKind::Ptx => {
             let opts = CompileOptions {
@@ -249,18 +284,17 @@ fn compile(
                 options: vec![arch, "--std=c++17".to_string()],
                 ..Default::default()
             };
-            compile_ptx_with_opts(src, opts).map_err(|e| match e {
+            let ptx = compile_ptx_with_opts(src, opts).map_err(|e| match e {
                 cudarc::nvrtc::CompileError::CompileError { log, .. } => unavailable(format!(
                     "NVRTC failed to compile {name}: {}",
                     log.to_string_lossy()
                 )),
                 other => unavailable(format!("NVRTC failed on {name}: {other}")),
-            })?
+            })?;
+            ctx.load_module(ptx)
+                .map_err(|e| unavailable(format!("loading module {name}: {e}")))?
         }
     };
-    let module = ctx
-        .load_module(code)
-        .map_err(|e| unavailable(format!("loading module {name}: {e}")))?;
     funcs
         .iter()
         .map(|func| {
