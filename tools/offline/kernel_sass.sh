@@ -7,8 +7,9 @@
 #   tools/offline/kernel_sass.sh cmp REV_A [REV_B]   SASS of every kernel, REV_A against REV_B (or the tree)
 # NVRTC, the device's compiler, can refuse what nvcc compiles here: before a device call also run
 # the registry's NVRTC test (`.ci/run` shows how to get NVRTC without CUDA). The registry loads
-# NVRTC's CUBIN (CUDA 13.0's ptxas, as here), so the SASS here is the SASS that runs; with
-# KDA_CUDA_CODE=ptx the driver's JIT assembles it and may differ (it spilled where this did not).
+# NVRTC's CUBIN (CUDA 13.0's ptxas, as here), so the SASS here should be the SASS that runs;
+# with KDA_CUDA_CODE=ptx the driver's JIT assembles it and may differ (it spilled where this
+# did not).
 # Variants: K = V = 128; fp32 / fp16 / bf16 K-first and fp32 / fp16 V-first states, bf16 inputs
 # for 2-byte states (as the bench).
 set -euo pipefail
