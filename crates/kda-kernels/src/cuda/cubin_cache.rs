@@ -8,6 +8,7 @@
 //! be written only costs the cache (a warning), never the compile.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 
@@ -71,11 +72,12 @@ impl CubinCache {
 
 /// Writes `bytes` to `path` in `dir` under a temporary name first, then renames it into place.
 fn write_whole(dir: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    // unique among this process's writes (two devices may store the same module at once) and,
+    // by the process id, among the processes sharing the directory
+    static WRITES: AtomicU64 = AtomicU64::new(0);
     std::fs::create_dir_all(dir)?;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let tmp = path.with_extension(format!("tmp.{}.{nanos}", std::process::id()));
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp.{}.{n}", std::process::id()));
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);

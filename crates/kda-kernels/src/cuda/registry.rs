@@ -252,36 +252,30 @@ fn compile(
     let (major, minor) = ctx
         .compute_capability()
         .map_err(|e| unavailable(format!("compute capability: {e}")))?;
-    let mut include_paths = Vec::new();
-    for dir in [
+    // the CUDA headers (cuda_fp16.h ...) where a toolkit has them; one option list for both
+    // kinds of code (CompileOptions would spell the same flags)
+    let mut options: Vec<String> = [
         std::env::var("CUDA_PATH").ok(),
         std::env::var("CUDA_HOME").ok(),
         Some("/usr/local/cuda".to_string()),
     ]
     .into_iter()
     .flatten()
-    {
-        let inc = std::path::Path::new(&dir).join("include");
-        if inc.join("cuda_fp16.h").exists() {
-            include_paths.push(inc.to_string_lossy().into_owned());
-            break;
-        }
-    }
-    let arch = format!("--gpu-architecture=sm_{major}{minor}");
+    .map(|dir| std::path::Path::new(&dir).join("include"))
+    .find(|inc| inc.join("cuda_fp16.h").exists())
+    .map(|inc| format!("--include-path={}", inc.to_string_lossy()))
+    .into_iter()
+    .collect();
+    options.extend([
+        format!("--gpu-architecture=sm_{major}{minor}"),
+        "--std=c++17".to_string(),
+    ]);
     let module = match CodeKind::from_env().map_err(unavailable)? {
-        CodeKind::Cubin => {
-            let mut options: Vec<String> = include_paths
-                .iter()
-                .map(|p| format!("--include-path={p}"))
-                .collect();
-            options.extend([arch, "--std=c++17".to_string()]);
-            load_cubin(ctx, src, name, &options)?
-        }
+        CodeKind::Cubin => load_cubin(ctx, src, name, &options)?,
         CodeKind::Ptx => {
             let opts = CompileOptions {
-                include_paths,
                 name: Some(name.to_string()),
-                options: vec![arch, "--std=c++17".to_string()],
+                options,
                 ..Default::default()
             };
             let ptx = compile_ptx_with_opts(src, opts).map_err(|e| match e {
