@@ -520,7 +520,7 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
                     std::env::var("KDA_PROBE_STREAM_CTAS")
                         .ok()
                         .and_then(|n| n.parse::<usize>().ok())
-                        .map_or(tile, |n| tile.max(233_472 / n - 3360))
+                        .map_or(tile, |n| tile.max(233_472 / n - 1536))
                 }
             },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
