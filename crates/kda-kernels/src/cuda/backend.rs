@@ -510,17 +510,8 @@ fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
                 None => stages * stage,
                 Some(TileMove::Direct) => 0,
                 Some(TileMove::Staged) => r16(e.k * cw * e.state_size),
-                Some(TileMove::Bulk | TileMove::BulkIn) => {
+                Some(TileMove::Bulk | TileMove::BulkIn | TileMove::Stream) => {
                     bulk_tile_bytes(e.k, cw, e.v_first, e.state_size)
-                }
-                // (probe: KDA_PROBE_STREAM_CTAS=n asks for the shared memory of 1/n of an
-                // H200 SM, so at most n stream CTAs share one)
-                Some(TileMove::Stream) => {
-                    let tile = bulk_tile_bytes(e.k, cw, e.v_first, e.state_size);
-                    std::env::var("KDA_PROBE_STREAM_CTAS")
-                        .ok()
-                        .and_then(|n| n.parse::<usize>().ok())
-                        .map_or(tile, |n| tile.max(233_472 / n - 1536))
                 }
             },
             stage_store: two_byte_kf && cw * e.state_size >= STAGE_STORE_ROW_BYTES,
