@@ -1933,8 +1933,9 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 
 // CTAs of 8 warps per SM that kda_eager_tile_stream's registers allow: for 2-byte K-first pools
 // as many as their bulk tiles of whole heads fit in shared memory (6 at K = V = 128, 40
-// registers); 3 for fp32 pools (their 64 KB tiles fit 3 times) and 2-byte V-first pools (with
-// fewer than 80 registers they spilled).
+// registers; the launch asks for the shared memory of 5, which measured faster, and keeps
+// these registers: STREAM_CTAS_PER_SM in cuda/backend.rs); 3 for fp32 pools (their 64 KB tiles
+// fit 3 times) and 2-byte V-first pools (with fewer than 80 registers they spilled).
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
 // kda_eager_tile_bulk with its token step streamed from the bulk tile (token_step_stream), so

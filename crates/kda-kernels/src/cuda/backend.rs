@@ -277,13 +277,20 @@ const BULK_FROM: usize = 512;
 const BULK_IN_V_FIRST_FROM: usize = 192;
 
 /// Value heads of a call from which a 2-byte K-first pool keeps its whole-head bulk tiles in
-/// shared memory through the token step (`kda_eager_tile_stream`: 40 registers, 6 CTAs per SM,
+/// shared memory through the token step (`kda_eager_tile_stream`: 40 registers, 5 CTAs per SM,
 /// against `kda_eager_tile_bulk`'s 115 and 2). H200 sweep (docs/performance.md, twenty-second
 /// session): 0.5-5% faster from 1920 heads (the more heads, the more), mostly slower at
 /// 384-1536 (up to 18%) and 1.7x slower at N = 1. fp32 and V-first pools were 2-22% slower
 /// with it at every size from N = 16. Below 2560 heads `kda_eager_bulk_pipe` runs instead
 /// ([`PIPE_2_BYTE_K_FIRST`]).
 const STREAM_2_BYTE_K_FIRST_FROM: usize = 2560;
+
+/// CTAs of `kda_eager_tile_stream` per SM at most: where more would fit (2-byte K-first tiles
+/// of K = V = 128 fit 6 times in the H200's 228 KB), the launch asks for more shared memory
+/// than the tile needs. H200 sweep (docs/performance.md, forty-third session): 5 CTAs 0.9-1.4%
+/// faster than 6 at every 2-byte size from 2560 heads (fp16 and bf16, H 12 and 32), 4 within
+/// 0.3% of 5 there and 7% slower at 768 heads, 3 CTAs 2.6-3.6% slower than 6.
+const STREAM_CTAS_PER_SM: u32 = 5;
 
 /// Bytes of one buffer of `kda_eager_bulk_pipe` (`PipeBuffer` in `kernels/kda_decode.cu`): a
 /// whole head's bulk tile, the key, query, gate and value rows, the gate biases and 16 bytes of
@@ -1050,6 +1057,24 @@ impl CudaBackend {
         .map_err(|e| device_err(&format!("{name} shared memory"), e))
     }
 
+    /// The dynamic shared memory `kda_eager_tile_stream` asks for: its tile's `smem`, or where
+    /// that lets more than [`STREAM_CTAS_PER_SM`] CTAs of `threads` threads share an SM, the
+    /// most that many can each have (by the driver's occupancy arithmetic; asked only then, as
+    /// the driver refuses the question for a count that the kernel's registers do not allow).
+    fn stream_smem(f: &CudaFunction, name: &str, threads: usize, smem: usize) -> Result<usize> {
+        let occupancy = |e| device_err(&format!("{name} occupancy"), e);
+        let fit = f
+            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+            .map_err(occupancy)?;
+        if fit <= STREAM_CTAS_PER_SM {
+            return Ok(smem);
+        }
+        let share = f
+            .occupancy_available_dynamic_smem_per_block(STREAM_CTAS_PER_SM, threads as u32)
+            .map_err(occupancy)?;
+        Ok(smem.max(share))
+    }
+
     /// Opts a persistent kernel in to `smem` bytes of dynamic shared memory and returns its grid:
     /// the CTAs of `threads` threads that fit on all multiprocessors at once.
     fn persistent_grid(
@@ -1153,9 +1178,9 @@ impl CudaBackend {
         } else {
             g.ring_len > 0 || call.op == Op::Decode
         };
-        if may_store {
-            *layer.epoch += 1;
-        }
+        // bumped once the kernel is launched: a call refused on its way there (a kernel that
+        // does not compile, a driver query that fails) changes nothing
+        let epoch = *layer.epoch + u64::from(may_store);
         let input = match call.inputs {
             Some(i) => i.q.dtype,
             None => g.ring_dtype,
@@ -1237,11 +1262,17 @@ impl CudaBackend {
                 Some(EagerPlan {
                     tile: Some(mv),
                     smem,
+                    warps,
                     ..
                 }),
                 _,
             ) => {
                 let (f, name) = eager_tile_kernel(&self.ctx, key, mv)?;
+                let smem = if mv == TileMove::Stream {
+                    Self::stream_smem(&f, name, warps * 32, smem)?
+                } else {
+                    smem
+                };
                 // (no driver call for kda_eager_tile, which has no dynamic shared memory)
                 if smem > 0 {
                     Self::opt_in_smem(&f, name, smem)?;
@@ -1348,7 +1379,7 @@ impl CudaBackend {
             seed_lo: seed as u32,
             seed_hi: (seed >> 32) as u32,
             layer: layer.layer as u32,
-            epoch: *layer.epoch as u32,
+            epoch: epoch as u32,
             heads_per_cta: heads_per_cta as u32,
             units: units as u32,
             vblocks: vblocks as u32,
@@ -1382,6 +1413,7 @@ impl CudaBackend {
         // sequence bounds, and L2 prefetches with `early`).
         unsafe { launch_kda(s, &func, cfg, &params, dependent) }
             .map_err(|e| device_err(&format!("{name} launch"), e))?;
+        *layer.epoch = epoch;
         Ok(())
     }
 }
