@@ -287,9 +287,10 @@ const STREAM_2_BYTE_K_FIRST_FROM: usize = 2560;
 
 /// CTAs of `kda_eager_tile_stream` per SM at most: where more would fit (2-byte K-first tiles
 /// of K = V = 128 fit 6 times in the H200's 228 KB), the launch asks for more shared memory
-/// than the tile needs. H200 sweep (docs/performance.md, forty-third session): 5 CTAs 0.9-1.4%
-/// faster than 6 at every 2-byte size from 2560 heads (fp16 and bf16, H 12 and 32), 4 within
-/// 0.3% of 5 there and 7% slower at 768 heads, 3 CTAs 2.6-3.6% slower than 6.
+/// than the tile needs. H200 (docs/performance.md, forty-third session): 5 CTAs 0.5-1.5%
+/// faster than 6 at every 2-byte size measured from 2560 to 32768 heads (fp16 and bf16, H 12
+/// and 32), 4 within 0.3% of 5 there and 6-7% slower at 768 heads, 3 CTAs 2.6-3.6% slower
+/// than 6, 2 CTAs about 20%.
 const STREAM_CTAS_PER_SM: u32 = 5;
 
 /// Bytes of one buffer of `kda_eager_bulk_pipe` (`PipeBuffer` in `kernels/kda_decode.cu`): a
