@@ -3,16 +3,21 @@
 //! - [`memory`]: [`CudaMemory`], the pool's device memory ([`state_pool::DeviceMemory`]);
 //! - `registry`: the lazy NVRTC kernel registry (compiled once per process and device);
 //! - `params`: the kernel parameter block;
+//! - `lanes`, `eager_plan`, `ring_plan`: the kernels' lane geometry and the launch plans (pure
+//!   functions of a call's shape: which kernel, how many warps, how much shared memory);
 //! - [`backend`]: [`CudaBackend`], the [`crate::Backend`] (decode, spec_verify, replay; prefill
 //!   is not supported yet) and its synchronisation-free `enqueue_*` variants;
 //! - [`timing`]: CUDA graphs, events and the copy bandwidth for benchmarks.
 
 pub mod backend;
 mod cubin_cache;
+mod eager_plan;
+mod lanes;
 pub mod memory;
 mod nvrtc;
 mod params;
 mod registry;
+mod ring_plan;
 pub mod timing;
 
 pub use backend::{CudaBackend, CudaBatch};
