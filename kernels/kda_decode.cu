@@ -875,7 +875,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
 // The per-token activations are split over the warps (key, query, decays over the threads
 // of the other warps) and read from shared memory. The math is the token_step of kda_step with the same lane mapping, so an fp32 pool
 // gives the same bits on either kernel. The host picks this kernel only where every copy is
-// whole 16-byte chunks (see `eager_pipelined` in backend.rs) and the stages fit shared memory.
+// whole 16-byte chunks (see `eager_plan` in eager_plan.rs) and the stages fit shared memory.
 // Dynamic shared memory: `stages` stages of `EagerStage::bytes`.
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
@@ -1727,7 +1727,7 @@ __device__ __forceinline__ kda_u32 tile_elem0(size_t hv, int cb) {
 // A dependent launch reads the item's slot before its wait (early_slot: the slots are the
 // host's) for the L2 prefetch. With p.early == EARLY_SLOT_ONCE the tile is loaded from that slot
 // too; otherwise the slot is read again after the wait, which puts one more L2 round trip into
-// the CTA's chain but measured faster for some K-first shapes (`slot_once_for` in backend.rs).
+// the CTA's chain but measured faster for some K-first shapes (`slot_once_for` in eager_plan.rs).
 // fp32 K-first bulk tiles always read it again (SLOT_AGAIN), compiled so: as a runtime choice
 // the branch alone cost them 0.2-0.9% on the H200.
 template <int MOVE>
@@ -1934,7 +1934,7 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 // CTAs of 8 warps per SM that kda_eager_tile_stream's registers allow: for 2-byte K-first pools
 // as many as their bulk tiles of whole heads fit in shared memory (6 at K = V = 128, 40
 // registers; the launch asks for the shared memory of 5, which measured faster, and keeps
-// these registers: STREAM_CTAS_PER_SM in cuda/backend.rs); 3 for fp32 pools (their 64 KB tiles
+// these registers: STREAM_CTAS_PER_SM in eager_plan.rs); 3 for fp32 pools (their 64 KB tiles
 // fit 3 times) and 2-byte V-first pools (with fewer than 80 registers they spilled).
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 

@@ -1,5 +1,5 @@
 // Decode, spec_verify and replay over the replay ring, pipelined (kda_ring): the default kernel
-// with a ring and nearest rounding where the shape fits (`ring_plan` in backend.rs; kda_step
+// with a ring and nearest rounding where the shape fits (`ring_plan` in ring_plan.rs; kda_step
 // otherwise). Compiled in the same module as
 // kda_decode.cu, after it: the token step, the activations, the plan, the ring layout and the
 // tile copies are shared, so it gives kda_step's bits (and, for fp32 pools, eager decode's).
@@ -44,7 +44,7 @@ constexpr int MTC = 16;                          // most tokens of an item (host
 constexpr int RK = round16(K * (int)sizeof(IT)); // bytes of a raw K row in a stage
 constexpr int RTILE = round16(K * RCW * (int)sizeof(ST)); // bytes of the tile buffer
 
-// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs): the tile buffer
+// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in ring_plan.rs): the tile buffer
 // [0, RTILE), then two stages at RTILE + j stage. A stage: per token t at t tokb its raw k, g
 // ([K] each) and v ([RCW]), the raw q of new token t at qrow + (t - pend) RK, then dt_bias (f32
 // [K]). After the two stages, f32 arrays: ka, da [mt][KS] (activated keys, decays), qa [mq][KS] (queries of the new tokens),
@@ -579,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
 // Decode, spec_verify and replay over the replay ring, one item per CTA (kda_ring_tile): the
 // default for small ring decode and replay calls and for spec_verify calls of many items (how
 // many depends on the drafts and the pool), where it measured faster than kda_ring
-// (`ring_choice` in backend.rs; docs/performance.md, eighteenth and nineteenth sessions). An
+// (`ring_choice` in ring_plan.rs; docs/performance.md, eighteenth and nineteenth sessions). An
 // item is kda_ring's (sequence, value head, block of RCW columns), item = blockIdx.x, and the
 // grid covers the items: two CTAs per SM keep each other's loads in flight instead of a
 // pipeline. Thread 0 reads the ring record while the new tokens' rows are copied (cp.async);
@@ -595,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
 // the new record.
 namespace kda {
 
-// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs): mt raw
+// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in ring_plan.rs): mt raw
 // token rows of tokb bytes (k and g: RK each, then v of the item's columns; new token j at row j,
 // pending entry t at row mq + t), the new tokens' raw queries [mq][RK], dt_bias (f32 [K]), then
 // f32 arrays: ka, da [mt][KS] (activated keys, decays; by combined token), qa [mq][KS] (queries),

@@ -22,7 +22,7 @@
 // arithmetic differs from kda_step's order on the short path, so the bits do too; the l2norm
 // uses an approximate rsqrt as well, and with a 2-byte pool the decays approximate exp and log.
 //
-// Where it runs (`delta_default` in backend.rs; docs/performance.md, twenty-fourth and
+// Where it runs (`delta_default` in ring_plan.rs; docs/performance.md, twenty-fourth and
 // twenty-fifth sessions): by default for ring decode and spec_verify on pools with a delta
 // plane (an opt-in `PoolConfig::ring_deltas`), where it measured 3-12% (ring decode), up to 21%
 // (one draft) and 2-18% (two to four drafts) faster than the kernels chosen before. Its time
@@ -55,7 +55,7 @@
 namespace kda {
 
 // Byte offsets in dynamic shared memory past RingTileLayout's (mirrored by `ring_plan` in
-// backend.rs): f32 arrays ua [mt][RCW] (the delta vectors of the item's columns, by combined
+// ring_plan.rs): f32 arrays ua [mt][RCW] (the delta vectors of the item's columns, by combined
 // token), ek [max(mq, 1)][mt][KS] (R k rows: a block per new token; a commit's in the first),
 // kp, qp [mq][KS] (P_t k_t, P_t q_t), pm [KS] (P at a commit), ce [2][mq][mt] (c_tj, e_tj) and
 // qk [mq] (q_t . k_t).
@@ -181,7 +181,7 @@ constexpr bool LEAN_FITS = K == 128 && V == 128 && SCATTER && RCW == V;
 constexpr int KR = LEAN_FITS ? 4 : 1;
 
 // Byte offsets in dynamic shared memory of the lean path (mirrored by `ring_plan` in
-// backend.rs): per pending entry its raw k and g rows (RK each), its delta vector (f32 [V]),
+// ring_plan.rs): per pending entry its raw k and g rows (RK each), its delta vector (f32 [V]),
 // its activated key and decay (f32 [K] each); then two f32 rows [K] per warp.
 struct LeanLayout {
     int raw, u, ka, da, pw, st;

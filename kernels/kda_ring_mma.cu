@@ -24,7 +24,7 @@
 // nearest once. The f32 arithmetic differs from kda_step's order, so the bits do too: the state
 // agrees to about 1e-6 relative (an fp32 pool) or to one rounding step (2-byte pools).
 //
-// Where it runs (`ring_choice` in backend.rs; docs/performance.md, twenty-third session): by
+// Where it runs (`ring_choice` in ring_plan.rs; docs/performance.md, twenty-third session): by
 // default for spec_verify calls of four or more drafts on 2-byte pools from 384 items, where with
 // three CTAs per SM (80 registers: MMA_CTAS) it measured 6-15% faster than the kernels chosen
 // before. Elsewhere only when forced (`RingKernel::Mma`): 12-33% slower than kda_ring_tile for
@@ -44,7 +44,7 @@ constexpr int TP = MW + 16 / (int)sizeof(ST);   // pitch of the tile in elements
 constexpr int PP = MTC + 1;                     // pitch of the A and B matrices
 constexpr int MMA_CTAS = sizeof(ST) == 2 ? 3 : 2; // CTAs per SM the registers allow (launch bounds)
 
-// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in backend.rs): the raw token
+// Byte offsets in dynamic shared memory (mirrored by `ring_plan` in ring_plan.rs): the raw token
 // rows as RingTileLayout's (mt rows of tokb bytes, the raw queries, dt_bias), then f32 arrays:
 // x [mr][AP] (keys, then the new tokens' queries; then their products with the tile; then the
 // u_t), dk [mt][AP] (decays; then at a commit R k), am, bm [MTC][PP], beta [MTC], pm [K] (P at
