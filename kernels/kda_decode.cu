@@ -1936,7 +1936,7 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 // registers; the launch asks for the shared memory of 5, which measured faster, and keeps
 // these registers: STREAM_CTAS_PER_SM in eager_plan.rs); 3 for fp32 pools (their 64 KB tiles
 // fit 3 times) and 2-byte V-first pools (with fewer than 80 registers they spilled).
-#define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 5)
+#define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
 // kda_eager_tile_bulk with its token step streamed from the bulk tile (token_step_stream), so
 // a thread holds no tile in registers and more CTAs share an SM; same bits.
