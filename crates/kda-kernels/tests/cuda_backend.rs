@@ -508,6 +508,29 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
 }
 
 #[test]
+fn cuda_kernels_keep_their_shared_memory_when_calls_alternate_tile_sizes() {
+    let Some(cu) = cuda() else { return };
+    // fp32 K-first tiles: a whole head (8 warps) needs more than the 48 KB a kernel has without
+    // opting in, half a head (4 warps) less; the driver's answers are kept per kernel, so the
+    // third call must find the first call's opt-in still there (a second backend shares them)
+    let slots: Vec<u32> = (0..24).map(|i| 2 * i + 1).collect();
+    let c = eager_case(Dtype::Fp32, StateLayout::KFirst, Rounding::Nearest, &slots);
+    let kernels = [
+        EagerKernel::StagedTile,
+        EagerKernel::BulkTile,
+        EagerKernel::StreamTile,
+    ];
+    let other = cuda().expect("a second backend on the same device");
+    for (i, warps) in [8, 4, 8].into_iter().enumerate() {
+        let backend = if i == 1 { &other } else { &cu };
+        backend.set_eager_warps(Some(warps)).expect("warps");
+        check_fast_eager_kernels_match_the_general_one(backend, &c, 2, 70 + i as u64, &kernels);
+    }
+    cu.set_eager_warps(None).expect("warps");
+    other.set_eager_warps(None).expect("warps");
+}
+
+#[test]
 fn cuda_bulk_pipe_reuses_its_buffers_and_equals_the_general_kernel_bit_for_bit() {
     let Some(cu) = cuda() else { return };
     // 200 sequences x 8 value heads: several items per persistent CTA, so each CTA goes round

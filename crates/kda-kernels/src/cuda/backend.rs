@@ -22,6 +22,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::eager_plan::{eager_plan, EagerPlan, EagerShape, PIPE_THREADS, STREAM_CTAS_PER_SM};
+use super::kernel::Kernel;
 use super::lanes::warp_columns;
 use super::memory::{CudaBuffer, CudaMemory};
 use super::nvrtc::CodeKind;
@@ -374,47 +375,22 @@ impl CudaBackend {
         Ok(plan.slots.iter().map(|&s| all[s as usize]).collect())
     }
 
-    /// Opts a kernel in to `smem` bytes of dynamic shared memory.
-    fn opt_in_smem(f: &CudaFunction, name: &str, smem: usize) -> Result<()> {
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| device_err(&format!("{name} shared memory"), e))
-    }
-
     /// The dynamic shared memory `kda_eager_tile_stream` asks for: its tile's `smem`, or where
     /// that lets more than [`STREAM_CTAS_PER_SM`] CTAs of `threads` threads share an SM, the
     /// most that many can each have (by the driver's occupancy arithmetic; asked only then, as
     /// the driver refuses the question for a count that the kernel's registers do not allow).
-    fn stream_smem(f: &CudaFunction, name: &str, threads: usize, smem: usize) -> Result<usize> {
-        let occupancy = |e| device_err(&format!("{name} occupancy"), e);
-        let fit = f
-            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
-            .map_err(occupancy)?;
-        if fit <= STREAM_CTAS_PER_SM {
+    fn stream_smem(k: &Kernel, threads: usize, smem: usize) -> Result<usize> {
+        if k.ctas_per_sm(threads as u32, smem)? <= STREAM_CTAS_PER_SM {
             return Ok(smem);
         }
-        let share = f
-            .occupancy_available_dynamic_smem_per_block(STREAM_CTAS_PER_SM, threads as u32)
-            .map_err(occupancy)?;
-        Ok(smem.max(share))
+        Ok(smem.max(k.smem_per_cta(STREAM_CTAS_PER_SM, threads as u32)?))
     }
 
     /// Opts a persistent kernel in to `smem` bytes of dynamic shared memory and returns its grid:
     /// the CTAs of `threads` threads that fit on all multiprocessors at once.
-    fn persistent_grid(
-        &self,
-        f: &CudaFunction,
-        name: &str,
-        threads: usize,
-        smem: usize,
-    ) -> Result<usize> {
-        Self::opt_in_smem(f, name, smem)?;
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
-            .map_err(|e| device_err(&format!("{name} occupancy"), e))?
-            .max(1) as usize;
+    fn persistent_grid(&self, k: &Kernel, threads: usize, smem: usize) -> Result<usize> {
+        k.opt_in_smem(smem)?;
+        let per_sm = k.ctas_per_sm(threads as u32, smem)?.max(1) as usize;
         Ok(per_sm * self.num_sms as usize)
     }
 
@@ -512,7 +488,7 @@ impl CudaBackend {
             None => g.ring_dtype,
         };
         let key = StepKey::of(g, input);
-        let func = step_kernel(&self.ctx, key)?;
+        let step = step_kernel(&self.ctx, key)?;
 
         let s = self.stream();
         let ptr = |b: &CudaBuffer| b.device_ptr(s);
@@ -571,7 +547,7 @@ impl CudaBackend {
         } else {
             None
         };
-        let (func, name, smem, grid_cap) = match (pipe, ring_pipe) {
+        let (kernel, smem, grid_cap) = match (pipe, ring_pipe) {
             (
                 Some(EagerPlan {
                     tile: Some(TileMove::Pipe),
@@ -580,9 +556,9 @@ impl CudaBackend {
                 }),
                 _,
             ) => {
-                let (f, name) = eager_tile_kernel(&self.ctx, key, TileMove::Pipe)?;
-                let grid = self.persistent_grid(&f, name, PIPE_THREADS, smem)?;
-                (f, name, smem, Some(grid))
+                let k = eager_tile_kernel(&self.ctx, key, TileMove::Pipe)?;
+                let grid = self.persistent_grid(&k, PIPE_THREADS, smem)?;
+                (k, smem, Some(grid))
             }
             (
                 Some(EagerPlan {
@@ -593,34 +569,34 @@ impl CudaBackend {
                 }),
                 _,
             ) => {
-                let (f, name) = eager_tile_kernel(&self.ctx, key, mv)?;
+                let k = eager_tile_kernel(&self.ctx, key, mv)?;
                 let smem = if mv == TileMove::Stream {
-                    Self::stream_smem(&f, name, warps * 32, smem)?
+                    Self::stream_smem(&k, warps * 32, smem)?
                 } else {
                     smem
                 };
-                // (no driver call for kda_eager_tile, which has no dynamic shared memory)
+                // (none for kda_eager_tile, which has no dynamic shared memory)
                 if smem > 0 {
-                    Self::opt_in_smem(&f, name, smem)?;
+                    k.opt_in_smem(smem)?;
                 }
-                (f, name, smem, None)
+                (k, smem, None)
             }
             (Some(pl), _) => {
-                let (f, name) = eager_kernel(&self.ctx, key, pl.stage_store)?;
-                let grid = self.persistent_grid(&f, name, pl.warps * 32, pl.smem)?;
-                (f, name, pl.smem, Some(grid))
+                let k = eager_kernel(&self.ctx, key, pl.stage_store)?;
+                let grid = self.persistent_grid(&k, pl.warps * 32, pl.smem)?;
+                (k, pl.smem, Some(grid))
             }
             (None, Some(rp)) if rp.kernel != RingKernel::Pipelined => {
-                let (f, name) = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
-                Self::opt_in_smem(&f, name, rp.smem)?;
-                (f, name, rp.smem, None)
+                let k = ring_tile_kernel(&self.ctx, key, rp.kernel)?;
+                k.opt_in_smem(rp.smem)?;
+                (k, rp.smem, None)
             }
             (None, Some(rp)) => {
-                let f = ring_kernel(&self.ctx, key)?;
-                let grid = self.persistent_grid(&f, "kda_ring", RING_THREADS, rp.smem)?;
-                (f, "kda_ring", rp.smem, Some(grid))
+                let k = ring_kernel(&self.ctx, key)?;
+                let grid = self.persistent_grid(&k, RING_THREADS, rp.smem)?;
+                (k, rp.smem, Some(grid))
             }
-            (None, None) => (func, "kda_step", 0, None),
+            (None, None) => (step, 0, None),
         };
         let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
             let warps = match pl.tile {
@@ -737,8 +713,8 @@ impl CudaBackend {
         // `KDA_DEPENDENT_LAUNCH()`, the wait that a dependent launch needs, before any access
         // that could see the previous grid's writes (before it: the host-written slots and
         // sequence bounds, and L2 prefetches with `early`).
-        unsafe { launch_kda(s, &func, cfg, &params, dependent) }
-            .map_err(|e| device_err(&format!("{name} launch"), e))?;
+        unsafe { launch_kda(s, kernel.func(), cfg, &params, dependent) }
+            .map_err(|e| device_err(&format!("{} launch", kernel.name()), e))?;
         *layer.epoch = epoch;
         Ok(())
     }

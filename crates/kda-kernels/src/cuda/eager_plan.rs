@@ -144,9 +144,9 @@ const BULK_IN_V_FIRST_FROM: usize = 192;
 /// against `kda_eager_tile_bulk`'s 115 and 2). H200 sweep (docs/performance.md, twenty-second
 /// session): 0.5-5% faster from 1920 heads (the more heads, the more), mostly slower at
 /// 384-1536 (up to 18%) and 1.7x slower at N = 1. fp32 and V-first pools were 2-22% slower
-/// with it at every size from N = 16. Below 2560 heads `kda_eager_bulk_pipe` runs instead
+/// with it at every size from N = 16. Below 2272 heads `kda_eager_bulk_pipe` runs instead
 /// ([`PIPE_2_BYTE_K_FIRST`]).
-const STREAM_2_BYTE_K_FIRST_FROM: usize = 2560;
+const STREAM_2_BYTE_K_FIRST_FROM: usize = 2272;
 
 /// CTAs of `kda_eager_tile_stream` per SM at most: where more would fit (2-byte K-first tiles
 /// of K = V = 128 fit 6 times in the H200's 228 KB), the launch asks for more shared memory
@@ -225,8 +225,10 @@ fn pipe_buffers(e: &EagerShape, cw: usize) -> Option<usize> {
 /// `kda_eager_tile_bulk_in` (384) and `kda_eager_tile_bulk` (512-1536), the sixteenth session's
 /// choices there; level at 2048, 4-6% slower from 3072, where `kda_eager_tile_stream` stays).
 /// With its step's rows padded against bank conflicts (forty-first session) it was 2-4% faster
-/// and is the faster of the two up to 2560 heads: 0.6-2.2% at 1920-2048 heads, 0.7-1.8% at 2304
-/// (one case 0.4% slower), within 1% either way at 2556-2560, 0.9-1.7% slower at 3072.
+/// and was the faster of the two up to 2560 heads. Against the stream kernel at 5 CTAs per SM
+/// (forty-fourth session, 1920-2560 heads in steps of 32, fp16 and bf16) it stays 0.4-2.8%
+/// faster up to 2176 heads (within 0.2% at 2208) and is 0.45% slower on average at 2272-2528
+/// (fp16 -0.5..+0.9%, bf16 -0.2..+2.1%).
 const PIPE_2_BYTE_K_FIRST: std::ops::Range<usize> = 384..STREAM_2_BYTE_K_FIRST_FROM;
 
 /// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
@@ -522,8 +524,8 @@ mod tests {
         }
         assert_ne!(mv(&with_bulk(4, 511, false)), Some(TileMove::Bulk));
         assert_ne!(mv(&with_bulk(4, 384, false)), Some(TileMove::BulkIn));
-        // 2-byte K-first pools at 384-2559 heads: the bulk pipe, six buffers of whole heads
-        for heads in [384, 768, 1920, 2559] {
+        // 2-byte K-first pools at 384-2271 heads: the bulk pipe, six buffers of whole heads
+        for heads in [384, 768, 1920, 2271] {
             let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
             assert_eq!(
                 (p.tile, p.warps, p.stages),
@@ -624,9 +626,9 @@ mod tests {
             bulk: true,
             ..shape(size, heads, v_first)
         };
-        // by default: 2-byte K-first pools from 2560 heads on a device with bulk copies, whole
+        // by default: 2-byte K-first pools from 2272 heads on a device with bulk copies, whole
         // heads, the slot read once
-        for heads in [2560, 3072, 8192] {
+        for heads in [2272, 2560, 3072, 8192] {
             let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
             assert_eq!(
                 (p.tile, p.warps, p.vblocks, p.slot_once),
@@ -638,8 +640,8 @@ mod tests {
         // not below, not for fp32 or V-first pools, not without bulk copies, not where another
         // kernel or 4-warp items are asked for
         for (size, v_first) in [(2, false), (2, true), (4, false), (4, true)] {
-            for heads in [12, 96, 384, 768, 1536, 2048, 2559, 3072, 8192] {
-                if size == 2 && !v_first && heads >= 2560 {
+            for heads in [12, 96, 384, 768, 1536, 2048, 2271, 3072, 8192] {
+                if size == 2 && !v_first && heads >= 2272 {
                     continue;
                 }
                 let p = eager_plan(&with_bulk(size, heads, v_first)).expect("plan");

@@ -2,6 +2,7 @@
 //! top-level `kernels/` directory. Layers:
 //! - [`memory`]: [`CudaMemory`], the pool's device memory ([`state_pool::DeviceMemory`]);
 //! - `registry`: the lazy NVRTC kernel registry (compiled once per process and device);
+//! - `kernel`: a loaded kernel with the driver's launch answers about it, asked once;
 //! - `params`: the kernel parameter block;
 //! - `lanes`, `eager_plan`, `ring_plan`: the kernels' lane geometry and the launch plans (pure
 //!   functions of a call's shape: which kernel, how many warps, how much shared memory);
@@ -12,6 +13,7 @@
 pub mod backend;
 mod cubin_cache;
 mod eager_plan;
+mod kernel;
 mod lanes;
 pub mod memory;
 mod nvrtc;

@@ -17,6 +17,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use state_pool::{Dtype, PoolGeometry, StateLayout};
 
 use super::cubin_cache::CubinCache;
+use super::kernel::Kernel;
 use super::nvrtc::{compile_cubin, nvrtc_version, CodeKind};
 use crate::choice::RingKernel;
 use crate::error::{KernelError, Result};
@@ -146,7 +147,7 @@ fn step_module(k: StepKey) -> [Key; 14] {
 }
 
 /// A loaded module's kernels.
-type Functions = Arc<Vec<(Key, CudaFunction)>>;
+type Functions = Arc<Vec<(Key, Kernel)>>;
 /// One module's place in the cache: empty until it has compiled and loaded.
 type Slot = Arc<Mutex<Option<Functions>>>;
 type Cache = Mutex<HashMap<(usize, ModuleKey), Slot>>;
@@ -335,14 +336,15 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
     let fs: Functions = Arc::new(
         keys.into_iter()
             .zip(compile(ctx, &src, &name, &entries)?)
+            .map(|(key, f)| (key, Kernel::new(f, key.entry())))
             .collect(),
     );
-    for (key, f) in fs.iter() {
+    for (key, k) in fs.iter() {
         // kda_eager_tile_stream is built for as many CTAs per SM as their bulk tiles fit, and
         // kda_eager_bulk_pipe for as many buffers: all of the SM's shared memory, not the L1
         // the driver might keep (set once, at load)
         if let Key::EagerTileStream(_) | Key::EagerBulkPipe(_) = key {
-            f.set_attribute(
+            k.func().set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                 100,
             )
@@ -353,7 +355,7 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
     Ok(fs)
 }
 
-fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<CudaFunction> {
+fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<Kernel> {
     module(ctx, key.module())?
         .iter()
         .find(|(k, _)| *k == key)
@@ -370,24 +372,24 @@ pub(crate) fn warm_up(ctx: &Arc<CudaContext>, keys: &[StepKey]) -> Result<()> {
 }
 
 /// The `kda_step` kernel specialised on `key`, compiled on first use.
-pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<Kernel> {
     get(ctx, Key::Step(key))
 }
 
 /// The pipelined eager-decode kernel specialised on `key` (same module as `kda_step`),
-/// compiled on first use, and its name: `kda_eager_stage` (the tile stored through its stage)
-/// where `stage_store`, else `kda_eager`.
+/// compiled on first use: `kda_eager_stage` (the tile stored through its stage) where
+/// `stage_store`, else `kda_eager`.
 pub(crate) fn eager_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
     stage_store: bool,
-) -> Result<(CudaFunction, &'static str)> {
+) -> Result<Kernel> {
     let key = if stage_store {
         Key::EagerStage(key)
     } else {
         Key::Eager(key)
     };
-    Ok((get(ctx, key)?, key.entry()))
+    get(ctx, key)
 }
 
 /// How a one-item-per-CTA eager kernel moves its state tile.
@@ -409,12 +411,12 @@ pub(crate) enum TileMove {
 }
 
 /// The one-item-per-CTA eager-decode kernel that moves its tile as `mv`, specialised on
-/// `key` (same module as `kda_step`), compiled on first use, and its name.
+/// `key` (same module as `kda_step`), compiled on first use.
 pub(crate) fn eager_tile_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
     mv: TileMove,
-) -> Result<(CudaFunction, &'static str)> {
+) -> Result<Kernel> {
     let key = match mv {
         TileMove::Direct => Key::EagerTile(key),
         TileMove::Staged => Key::EagerTileStaged(key),
@@ -423,40 +425,40 @@ pub(crate) fn eager_tile_kernel(
         TileMove::Stream => Key::EagerTileStream(key),
         TileMove::Pipe => Key::EagerBulkPipe(key),
     };
-    Ok((get(ctx, key)?, key.entry()))
+    get(ctx, key)
 }
 
 /// The pipelined ring kernel `kda_ring` specialised on `key` (same module as
 /// `kda_step`), compiled on first use.
-pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<CudaFunction> {
+pub(crate) fn ring_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<Kernel> {
     get(ctx, Key::Ring(key))
 }
 
 /// A one-item-per-CTA ring kernel specialised on `key` (same module as `kda_step`), compiled on
-/// first use, and its name: `kda_ring_mma` for [`RingKernel::Mma`], `kda_ring_delta` for
+/// first use: `kda_ring_mma` for [`RingKernel::Mma`], `kda_ring_delta` for
 /// [`RingKernel::Delta`], `kda_ring_delta_staged` for [`RingKernel::DeltaStaged`], else
 /// `kda_ring_tile`.
 pub(crate) fn ring_tile_kernel(
     ctx: &Arc<CudaContext>,
     key: StepKey,
     kernel: RingKernel,
-) -> Result<(CudaFunction, &'static str)> {
+) -> Result<Kernel> {
     let k = match kernel {
         RingKernel::Mma => Key::RingMma(key),
         RingKernel::DeltaStaged => Key::RingDeltaStaged(key),
         RingKernel::Delta => Key::RingDelta(key),
         _ => Key::RingTile(key),
     };
-    Ok((get(ctx, k)?, k.entry()))
+    get(ctx, k)
 }
 
 /// The `kda_fill` kernel.
-pub(crate) fn fill_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
+pub(crate) fn fill_kernel(ctx: &Arc<CudaContext>) -> Result<Kernel> {
     get(ctx, Key::Fill)
 }
 
 /// The `kda_copy` kernel (the copy ceiling).
-pub(crate) fn copy_kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
+pub(crate) fn copy_kernel(ctx: &Arc<CudaContext>) -> Result<Kernel> {
     get(ctx, Key::Copy)
 }
 

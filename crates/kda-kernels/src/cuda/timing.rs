@@ -188,7 +188,7 @@ impl CudaBackend {
                 for c in 0..copies {
                     let off = (c * stride * 16) as u64;
                     let (a, b) = (sp + off, dp + off);
-                    let mut l = s.launch_builder(&f);
+                    let mut l = s.launch_builder(f.func());
                     l.arg(&a).arg(&b).arg(&n);
                     // SAFETY: `kda_copy(const uint4*, uint4*, u64)`: copy `c` reads and writes
                     // words [c * stride, c * stride + n16) of two distinct allocations of
@@ -283,7 +283,7 @@ impl CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = s.launch_builder(&f);
+        let mut b = s.launch_builder(f.func());
         b.arg(&p);
         // SAFETY: `p` matches `struct KdaFill`; the kernel writes `len` elements of `dtype`
         // inside `buf`, which is live and used only on this stream.
