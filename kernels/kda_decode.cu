@@ -1619,25 +1619,14 @@ __device__ __forceinline__ void piece_load(const ST* bt, const TilePiece& t, flo
     }
 }
 
-// Whether a K-first tile of whole heads has every piece of every lane whole (rows of V, all
-// inside): then the token step needs no check per piece, and its offsets are constants.
-constexpr bool WHOLE_PIECES = !VFIRST && PIECE_VEC && LK * TK == K;
-
 // Calls f(i, piece, its elements as f32) for the lane's pieces i = 0.. of `tile` in order.
-// WHOLE (only where WHOLE_PIECES): the tile is a whole head, rows of V, and the lane's columns
-// col0.. are inside it, so every piece is whole.
-template <bool WHOLE = false, typename F>
+template <typename F>
 __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0, int rs, F&& f) {
-    static_assert(!WHOLE || WHOLE_PIECES, "whole pieces only where every piece can be whole");
 #pragma unroll
     for (int i = 0; i < NPC; ++i) {
-        const TilePiece t = tile_piece(i, lk, col0, WHOLE ? V : rs);
+        const TilePiece t = tile_piece(i, lk, col0, rs);
         float x[PE];
-        if constexpr (WHOLE) {
-            kda_load_vec<ST, PE>(tile + t.off, x);
-        } else {
-            piece_load(tile, t, x);
-        }
+        piece_load(tile, t, x);
         f(i, t, x);
     }
 }
@@ -1648,10 +1637,7 @@ __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0,
 // store_tile: the stochastic offsets from elem0, K-first rows of V). The same operations in the
 // same order as token_step with `out`, so the same bits; few registers, so more CTAs per SM.
 // PAD: k, d and q are rows in the padded layout (krow_at<true>, rows of KP), read per piece.
-// WHOLE: the tile is a whole head with the lane's columns inside it (for_each_piece; rs is V):
-// the same arithmetic without the checks, the tile's offsets known at compile time (on the H200
-// the checks and the offsets of a runtime row stride were a quarter of the step's instructions).
-template <bool SR, bool PAD = false, bool WHOLE = false>
+template <bool SR, bool PAD = false>
 __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, int rs, const float* k, const float* d,
                                                   const float* q, const float* vp, int vlim, float beta,
                                                   float (&o)[TV], kda_u32 base, kda_u32 elem0) {
@@ -1665,7 +1651,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     float acc[TV];
 #pragma unroll
     for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
-    for_each_piece<WHOLE>(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
+    for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
             const int r = piece_row(t, e), c = piece_c(i, e);
@@ -1680,17 +1666,17 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
         u[c] = beta * (vv - acc[c]);
         o[c] = 0.0f;
     }
-    for_each_piece<WHOLE>(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
+    for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
             const int r = piece_row(t, e), c = piece_c(i, e);
             x[e] = fmaf(k[r], u[c], x[e] * d[r]);
             o[c] = fmaf(q[r], x[e], o[c]);
         }
-        if (!WHOLE && col0 >= V) return; // a lane past the item's columns: sums only
+        if (col0 >= V) return; // a lane past the item's columns: sums only
         if constexpr (PIECE_VEC && !SR) {
             // (stochastic stores element by element: four hashes at once spilled registers)
-            if (!WHOLE && !t.whole) return;
+            if (!t.whole) return;
             if constexpr (sizeof(ST) == 2) {
                 // two elements per conversion instruction (same bits as one at a time)
                 kda_u32 w[cmax(1, PE / 2)];
@@ -1711,8 +1697,7 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
 #pragma unroll
             for (int e = 0; e < PE; ++e) {
                 const int r = piece_row(t, e), col = VFIRST ? t.col : t.col + e;
-                if (WHOLE || (r < K && col < V))
-                    tile[t.off + e] = round_elem<SR>(x[e], base, elem0 + piece_elem(t, e));
+                if (r < K && col < V) tile[t.off + e] = round_elem<SR>(x[e], base, elem0 + piece_elem(t, e));
             }
         }
     });
@@ -1888,23 +1873,10 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     float o[TV];
     if constexpr (STREAM) {
         const kda_u32 elem0 = tile_elem0<true>(hv, it.cb);
-        // a whole head of a 2-byte pool (the plan's stream items): every lane's pieces whole
-        // (fp32 tiles keep the general step: with both their registers spilled)
-        constexpr bool STREAM_WHOLE = WHOLE_PIECES && sizeof(ST) == 2;
-        const bool whole = STREAM_WHOLE && cw == V;
         if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            const kda_u32 base = kda_sr_base(seed, p.layer, slot, p.epoch);
-            if (whole) {
-                token_step_stream<true, false, STREAM_WHOLE>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l,
-                                                             abeta, o, base, elem0);
-            } else {
-                token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, base,
-                                        elem0);
-            }
-        } else if (whole) {
-            token_step_stream<false, false, STREAM_WHOLE>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta,
-                                                          o, 0u, elem0);
+            token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
+                                    kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
         } else {
             token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
         }
@@ -1995,9 +1967,6 @@ extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_STREAM_CTAS) kda_eag
 constexpr int PIPE_WARPS = 8;      // warps of one step group
 constexpr int PIPE_MAX_GROUPS = 3; // step groups per CTA: (blockDim.x / 32 - 2) / PIPE_WARPS
 constexpr int PIPE_THREADS = (PIPE_MAX_GROUPS * PIPE_WARPS + 2) * 32;
-// Whether a step group's lanes cover the head's columns exactly (K = V = 128), so its token step
-// takes whole pieces (token_step_stream's WHOLE).
-constexpr bool PIPE_WHOLE = WHOLE_PIECES && PIPE_WARPS * WC == V;
 constexpr int PIPE_MAX_BUFFERS = 8;
 constexpr kda_u32 PIPE_ALIGN = 128;
 
@@ -2166,11 +2135,11 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
         const kda_u32 elem0 = tile_elem0<true>(hv, 0);
         float o[TV];
         if (p.sr) {
-            token_step_stream<true, true, PIPE_WHOLE>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
-                                                      kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0);
+            token_step_stream<true, true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
+                                          kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0);
         } else {
-            token_step_stream<false, true, PIPE_WHOLE>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
-                                                       0u, elem0);
+            token_step_stream<false, true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o, 0u,
+                                           elem0);
         }
         if (lk == 0 && col0l < V) store_out(reinterpret_cast<IT*>(p.out) + ((size_t)n * p.hv + hv) * V + col0l, o, col0l);
         bulk_fence();
