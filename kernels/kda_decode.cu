@@ -962,15 +962,12 @@ __device__ __forceinline__ void bulk_out(void* dst, const void* src, kda_u32 byt
                  "r"(bytes)
                  : "memory");
 }
-// Commits this thread's bulk stores and waits until all but its N latest committed groups
-// have read shared memory.
-template <int N> __device__ __forceinline__ void bulk_out_done_but() {
-    asm volatile("cp.async.bulk.commit_group;\n"
-                 "cp.async.bulk.wait_group.read %0;\n" ::"n"(N)
-                 : "memory");
-}
 // Commits this thread's bulk stores and waits until they have read shared memory.
-__device__ __forceinline__ void bulk_out_done() { bulk_out_done_but<0>(); }
+__device__ __forceinline__ void bulk_out_done() {
+    asm volatile("cp.async.bulk.commit_group;\n"
+                 "cp.async.bulk.wait_group.read 0;\n" ::
+                     : "memory");
+}
 #else
 __device__ __forceinline__ void bulk_copy16(void* dst, const void* src, kda_u32 bytes) {
     for (kda_u32 o = 0; o < bytes; o += 16)
@@ -985,7 +982,6 @@ __device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 byte
 }
 __device__ __forceinline__ void bulk_fence() {}
 __device__ __forceinline__ void bulk_out(void* dst, const void* src, kda_u32 bytes) { bulk_copy16(dst, src, bytes); }
-template <int N> __device__ __forceinline__ void bulk_out_done_but() {}
 __device__ __forceinline__ void bulk_out_done() {}
 #endif
 
@@ -2071,21 +2067,10 @@ __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm
     }
 }
 
-// Items whose stores the storer warp keeps in flight behind the latest (< the buffers).
-#ifndef KDA_PIPE_STORES_BEHIND
-#define KDA_PIPE_STORES_BEHIND 1
-#endif
-constexpr int PIPE_STORES_BEHIND = KDA_PIPE_STORES_BEHIND;
-// (a buffer is freed once a later item's stores are issued, so fewer than the fewest buffers,
-// one per step group)
-static_assert(PIPE_STORES_BEHIND >= 0 && PIPE_STORES_BEHIND < PIPE_MAX_GROUPS, "stores behind < buffers");
-
-// The storer warp: stores each computed tile to its head and frees its buffer once the copies
-// have read it, PIPE_STORES_BEHIND items later (so the stores of consecutive items overlap).
+// The storer warp: stores each computed tile to its head, then frees its buffer.
 __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* dsm, kda_u64* computed,
                                            kda_u64* empty, kda_u32 total, int nb, int lane) {
     const PipeBuffer L;
-    constexpr kda_u32 D = PIPE_STORES_BEHIND;
     kda_u32 t = 0;
     for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
         const int bi = (int)(t % (kda_u32)nb);
@@ -2101,14 +2086,10 @@ __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* ds
             for (int r = lane * TK; r < K; r += 32 * TK)
                 bulk_out(head + (size_t)r * V, tile + bulk_row(r, V), (kda_u32)(cmin(TK, K - r) * V) * sizeof(ST));
         }
-        bulk_out_done_but<PIPE_STORES_BEHIND>();
+        bulk_out_done();
         KDA_SYNCWARP();
-        if (lane == 0 && t >= D) mbar_arrive(&empty[(t - D) % (kda_u32)nb]);
+        if (lane == 0) mbar_arrive(&empty[bi]);
     }
-    bulk_out_done();
-    KDA_SYNCWARP();
-    if (lane == 0)
-        for (kda_u32 j = t > D ? t - D : 0u; j < t; ++j) mbar_arrive(&empty[j % (kda_u32)nb]);
 }
 
 // The token-step warps: each item's activation and token step, in the buffer.
