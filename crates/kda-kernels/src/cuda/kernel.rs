@@ -4,7 +4,9 @@
 //! registry shares process-wide: every backend on the device sees the same opt-in, and a launch
 //! asks the driver nothing it asked before.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
@@ -75,15 +77,11 @@ impl Kernel {
     /// multiprocessor (the driver's occupancy arithmetic).
     pub(crate) fn ctas_per_sm(&self, threads: u32, smem: usize) -> Result<u32> {
         let mut a = self.answers.lock();
-        if let Some(&n) = a.fit.get(&(threads, smem)) {
-            return Ok(n);
-        }
-        let n = self
-            .func
-            .occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
-            .map_err(|e| device_err(&format!("{} occupancy", self.name), e))?;
-        a.fit.insert((threads, smem), n);
-        Ok(n)
+        kept(&mut a.fit, (threads, smem), || {
+            self.func
+                .occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
+                .map_err(|e| device_err(&format!("{} occupancy", self.name), e))
+        })
     }
 
     /// The most dynamic shared memory each of `ctas` CTAs of `threads` threads may have with all
@@ -91,14 +89,55 @@ impl Kernel {
     /// threads do not let that many share one).
     pub(crate) fn smem_per_cta(&self, ctas: u32, threads: u32) -> Result<usize> {
         let mut a = self.answers.lock();
-        if let Some(&s) = a.share.get(&(ctas, threads)) {
-            return Ok(s);
+        kept(&mut a.share, (ctas, threads), || {
+            self.func
+                .occupancy_available_dynamic_smem_per_block(ctas, threads)
+                .map_err(|e| device_err(&format!("{} occupancy", self.name), e))
+        })
+    }
+}
+
+/// The answer kept for `key`, or `ask`'s, kept if it is one (an error is not kept).
+fn kept<K: Hash + Eq, V: Copy>(
+    answers: &mut HashMap<K, V>,
+    key: K,
+    ask: impl FnOnce() -> Result<V>,
+) -> Result<V> {
+    match answers.entry(key) {
+        Entry::Occupied(e) => Ok(*e.get()),
+        Entry::Vacant(e) => Ok(*e.insert(ask()?)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_is_asked_once_and_kept() {
+        let mut answers = HashMap::new();
+        let mut asked = 0;
+        for _ in 0..3 {
+            let got = kept(&mut answers, (256u32, 4096usize), || {
+                asked += 1;
+                Ok(5u32)
+            });
+            assert_eq!(got.expect("kept"), 5);
         }
-        let s = self
-            .func
-            .occupancy_available_dynamic_smem_per_block(ctas, threads)
-            .map_err(|e| device_err(&format!("{} occupancy", self.name), e))?;
-        a.share.insert((ctas, threads), s);
-        Ok(s)
+        assert_eq!(asked, 1);
+        // another key is asked for its own
+        assert_eq!(kept(&mut answers, (128, 4096), || Ok(7)).expect("kept"), 7);
+        assert_eq!(answers.len(), 2);
+    }
+
+    #[test]
+    fn a_refused_question_is_asked_again() {
+        let mut answers: HashMap<u32, usize> = HashMap::new();
+        let refused = kept(&mut answers, 5, || {
+            Err(device_err("kda_x occupancy", "refused"))
+        });
+        assert!(refused.is_err());
+        assert!(answers.is_empty(), "an error is not kept");
+        assert_eq!(kept(&mut answers, 5, || Ok(46_080)).expect("kept"), 46_080);
     }
 }
