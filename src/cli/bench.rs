@@ -132,6 +132,11 @@ pub struct Args {
     /// choice: decode and small spec_verify calls), all or none (A/B in one binary).
     #[arg(long, default_value = "default")]
     pub dependent_launch: String,
+    /// Also time eager decode issued call by call outside a graph (the slot sets in turn), this
+    /// many calls, wall clock to the stream's end: the row `decode-issue`, the host's cost per
+    /// call where it exceeds the kernel's (0: no such row).
+    #[arg(long, default_value_t = 0)]
+    pub issue_calls: usize,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
     /// pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, step).
@@ -486,6 +491,33 @@ impl Bench<'_> {
         Ok(us / sets as f64)
     }
 
+    /// Microseconds per call of `calls` calls enqueued one by one outside a graph (the slot
+    /// sets in turn), wall clock from the first enqueue to the end of the stream's work, after
+    /// a quarter as many warm-up calls: what a caller without CUDA graphs waits per call, the
+    /// host's issue cost where that exceeds the kernel's time.
+    fn time_issue(
+        &self,
+        s: &mut Setup,
+        kind: Kind,
+        acc: Option<&CudaBuffer>,
+        calls: usize,
+    ) -> Result<f64, CliError> {
+        let be = self.be;
+        let sets = s.batches.len();
+        let run = |s: &mut Setup, n: usize| -> Result<(), CliError> {
+            for i in 0..n {
+                enqueue(be, s, kind, i % sets, acc).map_err(kerr)?;
+            }
+            be.synchronize().map_err(kerr)
+        };
+        run(s, calls.div_ceil(4))?;
+        let start = std::time::Instant::now();
+        run(s, calls)?;
+        let us = start.elapsed().as_secs_f64() * 1e6 / calls as f64;
+        be.check_device_errors().map_err(kerr)?;
+        Ok(us)
+    }
+
     /// Microseconds per copy of the best `kda_copy` launch shape that reads `read` bytes and
     /// writes as many, timed like a case of `sets` slot sets (a graph of `sets` copies over
     /// disjoint buffers, 3 warm-up replays, `replays` timed); timed once per run per size.
@@ -706,6 +738,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 };
                                 let us = b.time(&mut s, kind, None)?;
                                 row(&mut b, "decode", us)?;
+                                if args.issue_calls > 0 {
+                                    let us = b.time_issue(&mut s, kind, None, args.issue_calls)?;
+                                    row(&mut b, "decode-issue", us)?;
+                                }
                                 // each eager kernel, same run (before/after)
                                 for (op, k) in EAGER_ROWS.into_iter().filter(|r| forced.wants(r.0))
                                 {
