@@ -227,9 +227,9 @@ fn pipe_buffers(e: &EagerShape, cw: usize) -> Option<usize> {
 /// With its step's rows padded against bank conflicts (forty-first session) it was 2-4% faster
 /// and was the faster of the two up to 2560 heads. Against the stream kernel at 5 CTAs per SM
 /// (forty-fourth session, H 32 at 1920-2560 heads in steps of 32, fp16 and bf16) it stays
-/// 0.4-2.8% faster up to 2176 heads (within 0.2% at 2208) and is slower on average at 2272-2528
-/// (fp16 0.1%, bf16 0.8%; per size -0.5..+0.9% and -0.2..+2.1%), at H 12 from 2280 heads by
-/// 0.99% (fp16) and 0.68% (bf16).
+/// 0.4-2.8% faster up to 2176 heads (within 0.2% at 2208, 0.7% at 2240) and is slower on
+/// average at 2272-2528 (fp16 0.1%, bf16 0.8%; per size -0.5..+0.9% and -0.2..+2.1%), at H 12
+/// from 2280 heads by 0.99% (fp16) and 0.68% (bf16).
 const PIPE_2_BYTE_K_FIRST: std::ops::Range<usize> = 384..STREAM_2_BYTE_K_FIRST_FROM;
 
 /// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
