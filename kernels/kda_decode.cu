@@ -1730,59 +1730,6 @@ __device__ __forceinline__ kda_u32 tile_elem0(size_t hv, int cb) {
 // the CTA's chain but measured faster for some K-first shapes (`slot_once_for` in eager_plan.rs).
 // fp32 K-first bulk tiles always read it again (SLOT_AGAIN), compiled so: as a runtime choice
 // the branch alone cost them 0.2-0.9% on the H200.
-// PROBE (not for commit): a timeline of kda_eager_tile_stream's CTAs. Thread 0 of every CTA
-// records globaltimer (ns) at entry, after the dependent-launch wait, once its tile has arrived,
-// after the token step and once its bulk stores have read the tile; the CTA that finishes
-// last prints, for one launch in 128, the mean of each phase over each run of 660 CTAs (a
-// wave of 5 per SM on the H200) and when the run's last CTA ended.
-#define KDA_PROBE_TIMELINE 1
-#define KDA_PROBE_MAX_CTAS 16384
-__device__ kda_u64 kda_probe_tl[KDA_PROBE_MAX_CTAS][5];
-__device__ kda_u32 kda_probe_launch, kda_probe_done;
-__device__ __forceinline__ kda_u64 probe_now() {
-    kda_u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ bool probe_sampled(kda_u32 launch) {
-    return launch % 128u == 64u && blockIdx.x < KDA_PROBE_MAX_CTAS;
-}
-__device__ __forceinline__ void probe_mark(kda_u32 launch, int i) {
-    if (probe_sampled(launch)) kda_probe_tl[blockIdx.x][i] = probe_now();
-}
-__device__ __noinline__ void probe_finish(kda_u32 launch) {
-    const bool sampled = launch % 128u == 64u;
-    __threadfence();
-    if (atomicAdd(&kda_probe_done, 1u) != gridDim.x - 1u) return;
-    // the last CTA of the launch
-    kda_probe_done = 0u;
-    kda_probe_launch = launch + 1u;
-    __threadfence();
-    if (!sampled) return;
-    const kda_u32 n = gridDim.x < KDA_PROBE_MAX_CTAS ? gridDim.x : KDA_PROBE_MAX_CTAS;
-    kda_u64 t0 = ~0ull;
-    for (kda_u32 c = 0; c < n; ++c) t0 = kda_probe_tl[c][0] < t0 ? kda_probe_tl[c][0] : t0;
-    for (kda_u32 w0 = 0; w0 < n; w0 += 660u) {
-        const kda_u32 w1 = w0 + 660u < n ? w0 + 660u : n;
-        double start = 0, wait = 0, tile = 0, step = 0, store = 0;
-        kda_u64 end = 0;
-        for (kda_u32 c = w0; c < w1; ++c) {
-            const kda_u64* r = kda_probe_tl[c];
-            start += (double)(r[0] - t0);
-            wait += (double)(r[1] - r[0]);
-            tile += (double)(r[2] - r[1]);
-            step += (double)(r[3] - r[2]);
-            store += (double)(r[4] - r[3]);
-            end = r[4] - t0 > end ? r[4] - t0 : end;
-        }
-        const double m = (double)(w1 - w0);
-        printf("probe-timeline grid=%u launch=%u ctas=%u-%u start=%.0f wait=%.0f tile=%.0f step=%.0f store=%.0f "
-               "last_end=%llu ns\n",
-               gridDim.x, launch, w0, w1 - 1u, start / m, wait / m, tile / m, step / m, store / m,
-               (unsigned long long)end);
-    }
-}
-
 template <int MOVE>
 __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     constexpr bool STAGED = MOVE == MOVE_STAGED, STREAM = MOVE == MOVE_STREAM;
@@ -1797,8 +1744,6 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int lk = lane / LV, lv = lane % LV;
     const int cw = nwarps * WC;
     const kda_u32 item = blockIdx.x;
-    kda_u64 tl0 = 0;
-    if (STREAM && threadIdx.x == 0) tl0 = probe_now();
     kda_u32 slot = 0u;
 #if KDA_GRID_DEPENDENCY
     if (p.early != 0u) {
@@ -1807,12 +1752,6 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     }
 #endif
     KDA_DEPENDENT_LAUNCH();
-    kda_u32 probe_launch = 0u;
-    if (STREAM && threadIdx.x == 0) {
-        probe_launch = *(volatile kda_u32*)&kda_probe_launch;
-        if (probe_sampled(probe_launch)) kda_probe_tl[blockIdx.x][0] = tl0;
-        probe_mark(probe_launch, 1);
-    }
     if (item == 0 && threadIdx.x == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
     const EagerItem it = eager_item(p, item, 0u); // its coordinates; the slot is loaded below
     const int cwv = cmin(cw, V - it.cb);
@@ -1918,7 +1857,6 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int bcol = col0l < cwv ? col0l : V;
     if constexpr (BULK) {
         bulk_bar_wait(&bulk_bar);
-        if (STREAM && threadIdx.x == 0) probe_mark(probe_launch, 2);
         if constexpr (STREAM) {
             // the tile stays in shared memory (token_step_stream)
         } else if constexpr (TILE_WORDS) {
@@ -1942,7 +1880,6 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         } else {
             token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
         }
-        if (threadIdx.x == 0) probe_mark(probe_launch, 3);
     } else {
         token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
     }
@@ -1970,10 +1907,6 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         if (warp == 0) {
             tile_bulk<false>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
             bulk_out_done();
-            if (STREAM && threadIdx.x == 0) {
-                probe_mark(probe_launch, 4);
-                probe_finish(probe_launch);
-            }
         }
     }
 }
