@@ -488,7 +488,6 @@ impl CudaBackend {
             None => g.ring_dtype,
         };
         let key = StepKey::of(g, input);
-        let step = step_kernel(&self.ctx, key)?;
 
         let s = self.stream();
         let ptr = |b: &CudaBuffer| b.device_ptr(s);
@@ -596,7 +595,7 @@ impl CudaBackend {
                 let grid = self.persistent_grid(&k, RING_THREADS, rp.smem)?;
                 (k, rp.smem, Some(grid))
             }
-            (None, None) => (step, 0, None),
+            (None, None) => (step_kernel(&self.ctx, key)?, 0, None),
         };
         let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
             let warps = match pl.tile {
