@@ -1966,8 +1966,7 @@ extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_STREAM_CTAS) kda_eag
 // launches it only where bulk copies exist).
 constexpr int PIPE_WARPS = 8;      // warps of one step group
 constexpr int PIPE_MAX_GROUPS = 3; // step groups per CTA: (blockDim.x / 32 - 2) / PIPE_WARPS
-constexpr int PIPE_MAX_STORERS = 3; // storer warps per CTA: the warps after the loader
-constexpr int PIPE_THREADS = (PIPE_MAX_GROUPS * PIPE_WARPS + 1 + PIPE_MAX_STORERS) * 32;
+constexpr int PIPE_THREADS = (PIPE_MAX_GROUPS * PIPE_WARPS + 2) * 32;
 constexpr int PIPE_MAX_BUFFERS = 8;
 constexpr kda_u32 PIPE_ALIGN = 128;
 
@@ -2070,12 +2069,10 @@ __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm
 
 // The storer warp: stores each computed tile to its head, then frees its buffer.
 __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* dsm, kda_u64* computed,
-                                           kda_u64* empty, kda_u32 total, int nb, int storer, int storers,
-                                           int lane) {
+                                           kda_u64* empty, kda_u32 total, int nb, int lane) {
     const PipeBuffer L;
-    kda_u32 t = (kda_u32)storer;
-    for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total;
-         item += (kda_u32)storers * gridDim.x, t += (kda_u32)storers) {
+    kda_u32 t = 0;
+    for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * L.bytes;
         mbar_wait(&computed[bi], (t / (kda_u32)nb) & 1u);
@@ -2173,14 +2170,10 @@ extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pip
     __syncthreads();
     KDA_DEPENDENT_LAUNCH();
     if (blockIdx.x == 0 && threadIdx.x == 0 && total > 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
-    // each buffer stays with one storer (its waits on the buffer's barriers follow its own)
-    int storers = (int)(blockDim.x >> 5) - 1 - groups * PIPE_WARPS;
-    while (nb % storers != 0) --storers;
     if (warp == groups * PIPE_WARPS) {
         pipe_load(p, dsm, full, empty, total, nb, lane);
-    } else if (warp > groups * PIPE_WARPS) {
-        const int storer = warp - groups * PIPE_WARPS - 1;
-        if (storer < storers) pipe_store(p, dsm, computed, empty, total, nb, storer, storers, lane);
+    } else if (warp == groups * PIPE_WARPS + 1) {
+        pipe_store(p, dsm, computed, empty, total, nb, lane);
     } else {
         pipe_step(p, dsm, full, computed, total, nb, groups, warp, lane);
     }

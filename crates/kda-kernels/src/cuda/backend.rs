@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
-use super::eager_plan::{eager_plan, pipe_threads, EagerPlan, EagerShape, STREAM_CTAS_PER_SM};
+use super::eager_plan::{eager_plan, EagerPlan, EagerShape, PIPE_THREADS, STREAM_CTAS_PER_SM};
 use super::kernel::Kernel;
 use super::lanes::warp_columns;
 use super::memory::{CudaBuffer, CudaMemory};
@@ -556,7 +556,7 @@ impl CudaBackend {
                 _,
             ) => {
                 let k = eager_tile_kernel(&self.ctx, key, TileMove::Pipe)?;
-                let grid = self.persistent_grid(&k, pipe_threads(), smem)?;
+                let grid = self.persistent_grid(&k, PIPE_THREADS, smem)?;
                 (k, smem, Some(grid))
             }
             (
@@ -599,7 +599,7 @@ impl CudaBackend {
         };
         let (units, heads_per_cta, vblocks, warps) = if let Some(pl) = pipe {
             let warps = match pl.tile {
-                Some(TileMove::Pipe) => pipe_threads() / 32,
+                Some(TileMove::Pipe) => PIPE_THREADS / 32,
                 _ => pl.warps,
             };
             (g.hv, 1usize, pl.vblocks, warps)

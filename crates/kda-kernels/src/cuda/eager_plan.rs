@@ -177,15 +177,7 @@ const PIPE_ALIGN: usize = 128;
 const PIPE_GROUPS: usize = 3;
 
 /// Threads of a `kda_eager_bulk_pipe` CTA: the step groups, the loader warp and the storer warp.
-pub(super) fn pipe_threads() -> usize {
-    // PROBE: storer warps from KDA_PROBE_PIPE_STORERS (1..=3, default 1)
-    let storers = std::env::var("KDA_PROBE_PIPE_STORERS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|s| (1..=3).contains(s))
-        .unwrap_or(1);
-    (8 * PIPE_GROUPS + 1 + storers) * 32
-}
+pub(super) const PIPE_THREADS: usize = (8 * PIPE_GROUPS + 2) * 32;
 
 /// Most buffers per `kda_eager_bulk_pipe` CTA (`PIPE_MAX_BUFFERS` in the kernel is 8): six of a
 /// 2-byte head fill an H200 SM's shared memory.
