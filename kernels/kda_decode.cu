@@ -939,17 +939,16 @@ __device__ __forceinline__ void bulk_bar_expect(kda_u64* bar, kda_u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
 }
-__device__ __forceinline__ void bulk_bar_wait_parity(kda_u64* bar, kda_u32 parity) {
+__device__ __forceinline__ void bulk_bar_wait(kda_u64* bar) {
     kda_u32 done = 0;
     while (!done) {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
                      " selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done)
-                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "r"(smem_addr(bar))
                      : "memory");
     }
 }
-__device__ __forceinline__ void bulk_bar_wait(kda_u64* bar) { bulk_bar_wait_parity(bar, 0u); }
 __device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 bytes, kda_u64* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
                      smem_addr(dst)),
@@ -977,7 +976,6 @@ __device__ __forceinline__ void bulk_copy16(void* dst, const void* src, kda_u32 
 }
 __device__ __forceinline__ void bulk_bar_init(kda_u64*) {}
 __device__ __forceinline__ void bulk_bar_expect(kda_u64*, kda_u32) {}
-__device__ __forceinline__ void bulk_bar_wait_parity(kda_u64*, kda_u32) {}
 __device__ __forceinline__ void bulk_bar_wait(kda_u64*) {}
 __device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 bytes, kda_u64*) {
     bulk_copy16(dst, src, bytes);
@@ -1571,30 +1569,6 @@ __device__ __forceinline__ void tile_bulk(ST* t, ST* head, int cb, int cw, int c
     }
 }
 
-// Chunks in which a K-first whole-head bulk tile may arrive (rows TK / TILE_CHUNKS apart in
-// every lane group, each chunk on its own barrier), so a step can start on the first rows
-// while the later ones are still on their way.
-constexpr int TILE_CHUNKS = (!VFIRST && TK % 4 == 0 && K % TK == 0) ? 4 : 1;
-
-// Issues, on the lanes of one warp, the bulk copies of a K-first whole head's tile at `head`
-// into the bulk tile `t` in TILE_CHUNKS chunks, chunk c (rows c TK / TILE_CHUNKS.. of every lane
-// group) completing on bars[c], lane 0 first telling each barrier the bytes to come (`extra`
-// more on bars[0], for copies the caller issues there).
-__device__ __forceinline__ void tile_chunks_in(ST* t, const ST* head, kda_u64* bars, kda_u32 extra, int lane) {
-    constexpr int CR = TK / TILE_CHUNKS;
-    constexpr kda_u32 bytes = (kda_u32)(K / TILE_CHUNKS * V) * sizeof(ST);
-    if (lane == 0) {
-#pragma unroll
-        for (int c = 0; c < TILE_CHUNKS; ++c) bulk_bar_expect(&bars[c], bytes + (c == 0 ? extra : 0u));
-    }
-    KDA_SYNCWARP();
-#pragma unroll
-    for (int c = 0; c < TILE_CHUNKS; ++c)
-        for (int r = lane * TK + c * CR; r < K; r += 32 * TK)
-            bulk_in(t + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(cmin(CR, K - r) * V) * sizeof(ST),
-                    &bars[c]);
-}
-
 // Elements of one piece of a lane's tile (load_tile's vectors: K-first a row's TV columns,
 // V-first RG rows of one column), pieces per lane, and whether a piece is one vector.
 constexpr int PE = VFIRST ? RG : TV;
@@ -1645,17 +1619,11 @@ __device__ __forceinline__ void piece_load(const ST* bt, const TilePiece& t, flo
     }
 }
 
-// Calls f(i, piece, its elements as f32) for the lane's pieces i = 0.. of `tile` in order;
-// with CHUNKS > 1, waits first on chunks[c] for the pieces of chunk c (K-first: rows).
-template <int CHUNKS = 1, typename F>
-__device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0, int rs, F&& f,
-                                               kda_u64* chunks = nullptr, kda_u32 parity = 0u) {
-    static_assert(CHUNKS == 1 || (CHUNKS == TILE_CHUNKS && NPC % CHUNKS == 0), "chunks of whole pieces");
+// Calls f(i, piece, its elements as f32) for the lane's pieces i = 0.. of `tile` in order.
+template <typename F>
+__device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0, int rs, F&& f) {
 #pragma unroll
     for (int i = 0; i < NPC; ++i) {
-        if constexpr (CHUNKS > 1) {
-            if (i % (NPC / CHUNKS) == 0) bulk_bar_wait_parity(&chunks[i / (NPC / CHUNKS)], parity);
-        }
         const TilePiece t = tile_piece(i, lk, col0, rs);
         float x[PE];
         piece_load(tile, t, x);
@@ -1669,13 +1637,10 @@ __device__ __forceinline__ void for_each_piece(const ST* tile, int lk, int col0,
 // store_tile: the stochastic offsets from elem0, K-first rows of V). The same operations in the
 // same order as token_step with `out`, so the same bits; few registers, so more CTAs per SM.
 // PAD: k, d and q are rows in the padded layout (krow_at<true>, rows of KP), read per piece.
-// CHUNKS > 1: the tile is still arriving in chunks (TILE_CHUNKS), each waited for on its
-// barrier in `chunks` (phase `parity`) before its rows are first read.
-template <bool SR, bool PAD = false, int CHUNKS = 1>
+template <bool SR, bool PAD = false>
 __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, int rs, const float* k, const float* d,
                                                   const float* q, const float* vp, int vlim, float beta,
-                                                  float (&o)[TV], kda_u32 base, kda_u32 elem0,
-                                                  kda_u64* chunks = nullptr, kda_u32 parity = 0u) {
+                                                  float (&o)[TV], kda_u32 base, kda_u32 elem0) {
     if constexpr (PAD && !VFIRST) {
         // krow_at<true>(t.row): the lane group's rows start 4 lk words later (the reads index
         // t.row, no division, which kept the loads scalar)
@@ -1686,16 +1651,13 @@ __device__ __forceinline__ void token_step_stream(ST* tile, int lk, int col0, in
     float acc[TV];
 #pragma unroll
     for (int c = 0; c < TV; ++c) acc[c] = 0.0f;
-    for_each_piece<CHUNKS>(
-        tile, lk, col0, rs,
-        [&](int i, const TilePiece& t, float (&x)[PE]) {
+    for_each_piece(tile, lk, col0, rs, [&](int i, const TilePiece& t, float (&x)[PE]) {
 #pragma unroll
-            for (int e = 0; e < PE; ++e) {
-                const int r = piece_row(t, e), c = piece_c(i, e);
-                acc[c] = fmaf(k[r], x[e] * d[r], acc[c]);
-            }
-        },
-        chunks, parity);
+        for (int e = 0; e < PE; ++e) {
+            const int r = piece_row(t, e), c = piece_c(i, e);
+            acc[c] = fmaf(k[r], x[e] * d[r], acc[c]);
+        }
+    });
     reduce_k(acc);
     float u[TV];
 #pragma unroll
@@ -1774,10 +1736,8 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     constexpr bool BULK = MOVE == MOVE_BULK || MOVE == MOVE_BULK_IN || STREAM;
     constexpr bool BULK_OUT = MOVE == MOVE_BULK || STREAM;
     constexpr bool SLOT_AGAIN = BULK && !VFIRST && sizeof(ST) == 4;
-    // the stream kernel's whole K-first heads arrive in chunks, its step starting on the first
-    constexpr bool CHUNKED = STREAM && TILE_CHUNKS > 1;
     extern __shared__ __align__(16) unsigned char eager_dsm[];
-    __shared__ kda_u64 bulk_bar[TILE_CHUNKS]; // [0] unless the stream kernel's chunks (CHUNKED)
+    __shared__ kda_u64 bulk_bar;
     __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
     __shared__ float abeta;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -1847,15 +1807,9 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     ST* const bt = reinterpret_cast<ST*>(eager_dsm); // the bulk tile
     if constexpr (BULK) {
         if (warp == 0) {
-            if (lane < (CHUNKED ? TILE_CHUNKS : 1)) bulk_bar_init(&bulk_bar[lane]);
+            if (lane == 0) bulk_bar_init(&bulk_bar);
             KDA_SYNCWARP();
-            if (CHUNKED && cw == V) {
-                tile_chunks_in(bt, head, bulk_bar, 0u, lane);
-            } else {
-                // (a tile of fewer columns: all on the first barrier, the others done at once)
-                if (CHUNKED && lane > 0 && lane < TILE_CHUNKS) bulk_bar_expect(&bulk_bar[lane], 0u);
-                tile_bulk<true>(bt, head, it.cb, cw, cwv, &bulk_bar[0], lane);
-            }
+            tile_bulk<true>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
         }
     } else if constexpr (STAGED) {
         tile_issue(eager_dsm, head, it.cb, cw, cwv);
@@ -1902,7 +1856,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     ST* const bl = bt + (VFIRST ? 0 : lk * WC);
     const int bcol = col0l < cwv ? col0l : V;
     if constexpr (BULK) {
-        if constexpr (!CHUNKED) bulk_bar_wait(&bulk_bar[0]);
+        bulk_bar_wait(&bulk_bar);
         if constexpr (STREAM) {
             // the tile stays in shared memory (token_step_stream)
         } else if constexpr (TILE_WORDS) {
@@ -1921,12 +1875,10 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         const kda_u32 elem0 = tile_elem0<true>(hv, it.cb);
         if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            token_step_stream<true, false, TILE_CHUNKS>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta,
-                                                        o, kda_sr_base(seed, p.layer, slot, p.epoch), elem0,
-                                                        bulk_bar);
+            token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
+                                    kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
         } else {
-            token_step_stream<false, false, TILE_CHUNKS>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta,
-                                                         o, 0u, elem0, bulk_bar);
+            token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
         }
     } else {
         token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
@@ -1953,7 +1905,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         bulk_fence();
         __syncthreads();
         if (warp == 0) {
-            tile_bulk<false>(bt, head, it.cb, cw, cwv, &bulk_bar[0], lane);
+            tile_bulk<false>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
             bulk_out_done();
         }
     }
@@ -2036,6 +1988,16 @@ struct PipeBuffer {
 };
 
 #if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_wait(kda_u64* bar, kda_u32 parity) {
+    kda_u32 done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+    }
+}
 __device__ __forceinline__ void mbar_arrive(kda_u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
@@ -2069,7 +2031,7 @@ __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm
             const int bi = (int)(t % (kda_u32)nb);
             const kda_u32 round = t / (kda_u32)nb;
             unsigned char* buf = dsm + bi * L.bytes;
-            if (round > 0u) bulk_bar_wait_parity(&empty[bi], (round - 1u) & 1u);
+            if (round > 0u) mbar_wait(&empty[bi], (round - 1u) & 1u);
             const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
             const size_t h = kda_div(hv, p.div_grp);
             const bool gated = p.gate_mode != 0u;
@@ -2078,28 +2040,29 @@ __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm
                 sc[0] = b;
                 sc[1] = a;
                 sc[2] = s;
+                const kda_u32 rows = (kda_u32)(3 * K + V) * sizeof(IT) + (gated ? (kda_u32)K * 4u : 0u);
+                bulk_bar_expect(&full[bi], (kda_u32)(K * V) * sizeof(ST) + rows);
             }
-            const kda_u32 rows = (kda_u32)(3 * K + V) * sizeof(IT) + (gated ? (kda_u32)K * 4u : 0u);
-            kda_u64* const bars = &full[bi * TILE_CHUNKS]; // the input rows come with chunk 0
+            KDA_SYNCWARP();
             ST* const head = state_head(p, s, hv);
             ST* const tile = reinterpret_cast<ST*>(buf);
             if constexpr (VFIRST) {
-                if (lane == 0) bulk_bar_expect(bars, (kda_u32)(K * V) * sizeof(ST) + rows);
-                KDA_SYNCWARP();
-                if (lane == 0) bulk_in(tile, head, (kda_u32)(K * V) * sizeof(ST), bars);
+                if (lane == 0) bulk_in(tile, head, (kda_u32)(K * V) * sizeof(ST), &full[bi]);
             } else {
-                tile_chunks_in(tile, head, bars, rows, lane);
+                for (int r = lane * TK; r < K; r += 32 * TK)
+                    bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(cmin(TK, K - r) * V) * sizeof(ST),
+                            &full[bi]);
             }
             const size_t tk = (size_t)n * p.h + h, tv = (size_t)n * p.hv + hv;
             const kda_u32 kb = (kda_u32)K * sizeof(IT);
-            if (lane == 27) bulk_in(buf + L.k, reinterpret_cast<const IT*>(p.k) + tk * K, kb, bars);
-            if (lane == 28) bulk_in(buf + L.q, reinterpret_cast<const IT*>(p.q) + tk * K, kb, bars);
-            if (lane == 29) bulk_in(buf + L.g, reinterpret_cast<const IT*>(p.g) + tv * K, kb, bars);
+            if (lane == 27) bulk_in(buf + L.k, reinterpret_cast<const IT*>(p.k) + tk * K, kb, &full[bi]);
+            if (lane == 28) bulk_in(buf + L.q, reinterpret_cast<const IT*>(p.q) + tk * K, kb, &full[bi]);
+            if (lane == 29) bulk_in(buf + L.g, reinterpret_cast<const IT*>(p.g) + tv * K, kb, &full[bi]);
             if (lane == 30)
-                bulk_in(buf + L.v, reinterpret_cast<const IT*>(p.v) + tv * V, (kda_u32)V * sizeof(IT), bars);
+                bulk_in(buf + L.v, reinterpret_cast<const IT*>(p.v) + tv * V, (kda_u32)V * sizeof(IT), &full[bi]);
             if (lane == 31 && gated)
                 bulk_in(buf + L.bias, reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, (kda_u32)K * 4u,
-                        bars);
+                        &full[bi]);
         }
     }
 }
@@ -2112,7 +2075,7 @@ __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* ds
     for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * L.bytes;
-        bulk_bar_wait_parity(&computed[bi], (t / (kda_u32)nb) & 1u);
+        mbar_wait(&computed[bi], (t / (kda_u32)nb) & 1u);
         const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
         const kda_u32 s = reinterpret_cast<const kda_u32*>(buf + L.scal)[2];
         ST* const head = state_head(p, s, hv);
@@ -2151,9 +2114,7 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
          item += (kda_u32)groups * gridDim.x, t += (kda_u32)groups) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * L.bytes;
-        kda_u64* const bars = &full[bi * TILE_CHUNKS];
-        const kda_u32 parity = (t / (kda_u32)nb) & 1u;
-        bulk_bar_wait_parity(bars, parity); // the input rows and the tile's first chunk
+        mbar_wait(&full[bi], (t / (kda_u32)nb) & 1u);
         const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
         const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + L.scal);
         if (warp == 0) {
@@ -2174,12 +2135,11 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
         const kda_u32 elem0 = tile_elem0<true>(hv, 0);
         float o[TV];
         if (p.sr) {
-            token_step_stream<true, true, TILE_CHUNKS>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
-                                                       kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0, bars,
-                                                       parity);
+            token_step_stream<true, true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
+                                          kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0);
         } else {
-            token_step_stream<false, true, TILE_CHUNKS>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta,
-                                                        o, 0u, elem0, bars, parity);
+            token_step_stream<false, true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o, 0u,
+                                           elem0);
         }
         if (lk == 0 && col0l < V) store_out(reinterpret_cast<IT*>(p.out) + ((size_t)n * p.hv + hv) * V + col0l, o, col0l);
         bulk_fence();
@@ -2194,7 +2154,7 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
 extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pipe(const KdaParams p) {
 #if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(16) unsigned char eager_dsm[];
-    __shared__ kda_u64 full[PIPE_MAX_BUFFERS * TILE_CHUNKS], computed[PIPE_MAX_BUFFERS], empty[PIPE_MAX_BUFFERS];
+    __shared__ kda_u64 full[PIPE_MAX_BUFFERS], computed[PIPE_MAX_BUFFERS], empty[PIPE_MAX_BUFFERS];
     // the buffers from a 128-byte boundary (the host adds PIPE_ALIGN bytes): bulk copies into
     // buffers only 16-byte aligned measured 10-20% slower on the H200 (thirty-first session)
     unsigned char* const dsm = eager_dsm + ((PIPE_ALIGN - (smem_addr(eager_dsm) & (PIPE_ALIGN - 1))) & (PIPE_ALIGN - 1));
@@ -2202,8 +2162,8 @@ extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pip
     const int groups = ((int)(blockDim.x >> 5) - 2) / PIPE_WARPS;
     const int nb = cmin((int)p.stages, PIPE_MAX_BUFFERS);
     const kda_u32 total = p.n_seqs * p.hv;
-    if (threadIdx.x < (unsigned)(nb * TILE_CHUNKS)) bulk_bar_init(&full[threadIdx.x]);
     if (threadIdx.x < (unsigned)nb) {
+        bulk_bar_init(&full[threadIdx.x]);
         bulk_bar_init(&computed[threadIdx.x]);
         bulk_bar_init(&empty[threadIdx.x]);
     }

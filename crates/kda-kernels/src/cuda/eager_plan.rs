@@ -183,11 +183,11 @@ pub(super) const PIPE_THREADS: usize = (8 * PIPE_GROUPS + 2) * 32;
 /// 2-byte head fill an H200 SM's shared memory.
 const PIPE_BUFFERS: usize = 6;
 
-/// Static shared memory of `kda_eager_bulk_pipe`, bytes: six barriers per buffer (up to 8
-/// buffers; `full` once per chunk of the tile, `TILE_CHUNKS`) and each step group's activated key, decay, query (rows of `padded_k`), values and
+/// Static shared memory of `kda_eager_bulk_pipe`, bytes: three barriers per buffer (up to 8
+/// buffers) and each step group's activated key, decay, query (rows of `padded_k`), values and
 /// beta.
 fn pipe_static_smem(e: &EagerShape) -> usize {
-    6 * 8 * 8 + PIPE_GROUPS * ((3 * padded_k(e.k, e.v_first) + e.v.next_multiple_of(4)) * 4 + 4)
+    3 * 8 * 8 + PIPE_GROUPS * ((3 * padded_k(e.k, e.v_first) + e.v.next_multiple_of(4)) * 4 + 4)
 }
 
 /// Length of a row of per-row values (key, decay, query) that `kda_eager_bulk_pipe`'s step
