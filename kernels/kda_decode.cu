@@ -1745,19 +1745,8 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int cw = nwarps * WC;
     const kda_u32 item = blockIdx.x;
     kda_u32 slot = 0u;
-    // PROBE (unsafe in general): the stream kernel's tile copy issued before the wait
-    if constexpr (STREAM) {
-        slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
-        if (warp == 0) {
-            const EagerItem e0 = eager_item(p, item, 0u);
-            if (lane == 0) bulk_bar_init(&bulk_bar);
-            KDA_SYNCWARP();
-            tile_bulk<true>(reinterpret_cast<ST*>(eager_dsm), state_head(p, slot, (size_t)e0.hv), e0.cb, cw,
-                            cmin(cw, V - e0.cb), &bulk_bar, lane);
-        }
-    }
 #if KDA_GRID_DEPENDENCY
-    if (!STREAM && p.early != 0u) {
+    if (p.early != 0u) {
         slot = early_slot(p, eager_seq(p, item));
         prefetch_item(p, item, slot, cw);
     }
@@ -1809,14 +1798,14 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         }
     }
 
-    if (!STREAM && (SLOT_AGAIN || !KDA_GRID_DEPENDENCY || p.early != EARLY_SLOT_ONCE))
+    if (SLOT_AGAIN || !KDA_GRID_DEPENDENCY || p.early != EARLY_SLOT_ONCE)
         slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
     ST* head = state_head(p, slot, hv);
     const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
     float s[TK][TV];
     kda_u32 w[TW];
     ST* const bt = reinterpret_cast<ST*>(eager_dsm); // the bulk tile
-    if constexpr (BULK && !STREAM) {
+    if constexpr (BULK) {
         if (warp == 0) {
             if (lane == 0) bulk_bar_init(&bulk_bar);
             KDA_SYNCWARP();
