@@ -2168,18 +2168,6 @@ extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pip
         bulk_bar_init(&empty[threadIdx.x]);
     }
     __syncthreads();
-#if KDA_GRID_DEPENDENCY
-    // PROBE: the tiles of the CTA's first nb items into L2 while the grid before finishes
-    if (p.early != 0u) {
-        for (int j = 0; j < nb; ++j) {
-            const kda_u32 item = blockIdx.x + (kda_u32)j * gridDim.x;
-            if (item >= total) break;
-            const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
-            prefetch_range(state_head(p, early_slot(p, n), hv), (size_t)(K * V) * sizeof(ST), (int)threadIdx.x,
-                           (int)blockDim.x);
-        }
-    }
-#endif
     KDA_DEPENDENT_LAUNCH();
     if (blockIdx.x == 0 && threadIdx.x == 0 && total > 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
     if (warp == groups * PIPE_WARPS) {
