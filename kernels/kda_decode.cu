@@ -1748,7 +1748,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
 #if KDA_GRID_DEPENDENCY
     if (p.early != 0u) {
         slot = early_slot(p, eager_seq(p, item));
-        if (!STREAM) prefetch_item(p, item, slot, cw); // PROBE: none for the stream kernel
+        prefetch_item(p, item, slot, cw);
     }
 #endif
     KDA_DEPENDENT_LAUNCH();
