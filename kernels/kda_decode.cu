@@ -1730,70 +1730,6 @@ __device__ __forceinline__ kda_u32 tile_elem0(size_t hv, int cb) {
 // the CTA's chain but measured faster for some K-first shapes (`slot_once_for` in eager_plan.rs).
 // fp32 K-first bulk tiles always read it again (SLOT_AGAIN), compiled so: as a runtime choice
 // the branch alone cost them 0.2-0.9% on the H200.
-// PROBE (not for commit): how busy kda_eager_tile_stream keeps each SM's CTA slots. In calls
-// with p.epoch % 64 == 37 (no cost elsewhere but a branch) thread 0 of every CTA records its SM
-// and %globaltimer at entry and once its bulk stores have read the tile; the CTA that ends
-// last (at most 40 prints in all) sums per SM the CTAs' lives and their span (first entry to
-// last end), over all CTAs and over those after the first 660, and prints the means over SMs:
-// CTAs alive on average (lives / span; 5 = slots always full) and the time per CTA outside
-// any CTA's life ((5 span - lives) / CTAs).
-#define KDA_PROBE_MAX_CTAS 16384
-__device__ kda_u64 kda_probe_t[KDA_PROBE_MAX_CTAS][2];
-__device__ kda_u32 kda_probe_smid[KDA_PROBE_MAX_CTAS];
-__device__ kda_u32 kda_probe_done, kda_probe_prints;
-__device__ kda_u64 kda_probe_acc[2][256][4]; // [all, after 660][sm][lives, first, last, n]
-__device__ __forceinline__ kda_u64 probe_now() {
-    kda_u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ bool probe_on(const KdaParams& p) {
-    return p.epoch % 64u == 37u && gridDim.x <= KDA_PROBE_MAX_CTAS;
-}
-__device__ __noinline__ void probe_finish(kda_u32 epoch) {
-    __threadfence();
-    if (atomicAdd(&kda_probe_done, 1u) != gridDim.x - 1u) return;
-    kda_probe_done = 0u;
-    if (kda_probe_prints >= 40u) return;
-    ++kda_probe_prints;
-    for (int w = 0; w < 2; ++w)
-        for (int sm = 0; sm < 256; ++sm) {
-            kda_probe_acc[w][sm][0] = 0;
-            kda_probe_acc[w][sm][1] = ~0ull;
-            kda_probe_acc[w][sm][2] = 0;
-            kda_probe_acc[w][sm][3] = 0;
-        }
-    for (kda_u32 c = 0; c < gridDim.x; ++c) {
-        const kda_u32 sm = kda_probe_smid[c] & 255u;
-        const kda_u64 a = kda_probe_t[c][0], b = kda_probe_t[c][1];
-        for (int w = 0; w < 2; ++w) {
-            if (w == 1 && c < 660u) continue;
-            kda_u64* r = kda_probe_acc[w][sm];
-            r[0] += b - a;
-            r[1] = a < r[1] ? a : r[1];
-            r[2] = b > r[2] ? b : r[2];
-            r[3] += 1;
-        }
-    }
-    for (int w = 0; w < 2; ++w) {
-        double conc = 0, idle = 0, life = 0, span = 0;
-        int sms = 0;
-        for (int sm = 0; sm < 256; ++sm) {
-            const kda_u64* r = kda_probe_acc[w][sm];
-            if (r[3] == 0) continue;
-            const double sp = (double)(r[2] - r[1]), lv = (double)r[0];
-            conc += lv / sp;
-            idle += (5.0 * sp - lv) / (double)r[3];
-            life += lv / (double)r[3];
-            span += sp;
-            ++sms;
-        }
-        if (sms == 0) continue;
-        printf("probe-slots grid=%u epoch=%u ctas=%s sms=%d alive=%.2f life=%.0f idle_per_cta=%.0f span=%.0f ns\n",
-               gridDim.x, epoch, w == 0 ? "all" : "after660", sms, conc / sms, life / sms, idle / sms, span / sms);
-    }
-}
-
 template <int MOVE>
 __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     constexpr bool STAGED = MOVE == MOVE_STAGED, STREAM = MOVE == MOVE_STREAM;
@@ -1808,12 +1744,6 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int lk = lane / LV, lv = lane % LV;
     const int cw = nwarps * WC;
     const kda_u32 item = blockIdx.x;
-    if (STREAM && threadIdx.x == 0 && probe_on(p)) {
-        kda_u32 sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        kda_probe_smid[blockIdx.x] = sm;
-        kda_probe_t[blockIdx.x][0] = probe_now();
-    }
     kda_u32 slot = 0u;
 #if KDA_GRID_DEPENDENCY
     if (p.early != 0u) {
@@ -1974,25 +1904,9 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     if constexpr (BULK_OUT) {
         bulk_fence();
         __syncthreads();
-        if (STREAM && !VFIRST && cw == V) {
-            // PROBE: the stream kernel's tile out by plain 16-byte stores from every thread
-            constexpr int RB = V * (int)sizeof(ST);
-            for (int j = (int)threadIdx.x; j < K * RB / 16; j += (int)blockDim.x) {
-                const int r = j / (RB / 16), cb = (j % (RB / 16)) * 16;
-                const uint4 x = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(bt + bulk_row(r, V)) + cb);
-                *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(head + (size_t)r * V) + cb) = x;
-            }
-            if (threadIdx.x == 0 && probe_on(p)) {
-                kda_probe_t[blockIdx.x][1] = probe_now();
-                probe_finish(p.epoch);
-            }
-        } else if (warp == 0) {
+        if (warp == 0) {
             tile_bulk<false>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
             bulk_out_done();
-            if (STREAM && threadIdx.x == 0 && probe_on(p)) {
-                kda_probe_t[blockIdx.x][1] = probe_now();
-                probe_finish(p.epoch);
-            }
         }
     }
 }
