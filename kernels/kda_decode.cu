@@ -939,17 +939,16 @@ __device__ __forceinline__ void bulk_bar_expect(kda_u64* bar, kda_u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
 }
-__device__ __forceinline__ void bulk_bar_wait_parity(kda_u64* bar, kda_u32 parity) {
+__device__ __forceinline__ void bulk_bar_wait(kda_u64* bar) {
     kda_u32 done = 0;
     while (!done) {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
                      " selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done)
-                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "r"(smem_addr(bar))
                      : "memory");
     }
 }
-__device__ __forceinline__ void bulk_bar_wait(kda_u64* bar) { bulk_bar_wait_parity(bar, 0u); }
 __device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 bytes, kda_u64* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
                      smem_addr(dst)),
@@ -977,7 +976,6 @@ __device__ __forceinline__ void bulk_copy16(void* dst, const void* src, kda_u32 
 }
 __device__ __forceinline__ void bulk_bar_init(kda_u64*) {}
 __device__ __forceinline__ void bulk_bar_expect(kda_u64*, kda_u32) {}
-__device__ __forceinline__ void bulk_bar_wait_parity(kda_u64*, kda_u32) {}
 __device__ __forceinline__ void bulk_bar_wait(kda_u64*) {}
 __device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 bytes, kda_u64*) {
     bulk_copy16(dst, src, bytes);
@@ -1745,182 +1743,171 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const int lk = lane / LV, lv = lane % LV;
     const int cw = nwarps * WC;
-    const kda_u32 item0 = blockIdx.x;
+    const kda_u32 item = blockIdx.x;
     kda_u32 slot = 0u;
 #if KDA_GRID_DEPENDENCY
     if (p.early != 0u) {
-        slot = early_slot(p, eager_seq(p, item0));
-        prefetch_item(p, item0, slot, cw);
+        slot = early_slot(p, eager_seq(p, item));
+        prefetch_item(p, item, slot, cw);
     }
 #endif
     KDA_DEPENDENT_LAUNCH();
-    if (item0 == 0 && threadIdx.x == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
-    // One item's work (the stream kernel may run persistent: its CTAs take items blockIdx.x,
-    // blockIdx.x + gridDim.x, ... in turn; `iter` counts them, the bulk barrier's phase).
-    auto one = [&](const kda_u32 item, const kda_u32 iter) {
-        const EagerItem it = eager_item(p, item, 0u); // its coordinates; the slot is loaded below
-        const int cwv = cmin(cw, V - it.cb);
-        const size_t tok = it.tok, hv = (size_t)it.hv;
-        const size_t h = kda_div((kda_u32)it.hv, p.div_grp);
-        const IT* kp = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
-        const IT* qp = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
-        const IT* gp = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K;
-        const IT* vp = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V + it.cb;
-        const float* bias = reinterpret_cast<const float*>(p.dt_bias) + hv * K;
-        const IT* bp = reinterpret_cast<const IT*>(p.beta) + tok * p.hv + hv;
-        const bool l2 = p.l2norm != 0u;
+    if (item == 0 && threadIdx.x == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
+    const EagerItem it = eager_item(p, item, 0u); // its coordinates; the slot is loaded below
+    const int cwv = cmin(cw, V - it.cb);
+    const size_t tok = it.tok, hv = (size_t)it.hv;
+    const size_t h = kda_div((kda_u32)it.hv, p.div_grp);
+    const IT* kp = reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K;
+    const IT* qp = reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
+    const IT* gp = reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K;
+    const IT* vp = reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V + it.cb;
+    const float* bias = reinterpret_cast<const float*>(p.dt_bias) + hv * K;
+    const IT* bp = reinterpret_cast<const IT*>(p.beta) + tok * p.hv + hv;
+    const bool l2 = p.l2norm != 0u;
 
-        const bool early = EARLY_FITS && nwarps >= 4;
-        const int tid = (int)threadIdx.x - 64, dn = (int)blockDim.x - 64; // the gate threads
-        // The loads' bits, converted to f32 only after the tile's loads are issued: a conversion
-        // right after its load (where the compiler puts it) would make the warp wait for the inputs
-        // before it even loads the slot.
-        kda_u32 x[KL];               // warp 0: key, warp 1: query, gate threads: raw gates, biases
-        kda_u32 vr[VPT], braw = 0u;
-        float alog = 0.0f;
-        if (early) {
-            if (warp == 0 || warp == 1) {
-                const IT* src = warp == 0 ? kp : qp;
-    #pragma unroll
-                for (int i = 0; i < KL; ++i) {
-                    const int kk = lane + 32 * i;
-                    x[i] = kk < K ? input_bits(src + kk) : 0u;
-                }
-            } else {
-    #pragma unroll
-                for (int j = 0; j < DKE; ++j) {
-                    const int kk = tid + j * dn;
-                    x[j] = kk < K ? input_bits(gp + kk) : 0u;
-                    x[DKE + j] = kk < K && p.gate_mode != 0u ? __float_as_uint(bias[kk]) : 0u;
-                }
-    #pragma unroll
-                for (int j = 0; j < VPT; ++j) {
-                    const int c = tid + j * dn;
-                    vr[j] = c < cwv ? input_bits(vp + c) : 0u;
-                }
-                if (tid == 0) braw = input_bits(bp);
-                if (p.gate_mode != 0u) alog = reinterpret_cast<const float*>(p.a_log)[hv];
-            }
-        }
-
-        if (iter > 0u || SLOT_AGAIN || !KDA_GRID_DEPENDENCY || p.early != EARLY_SLOT_ONCE)
-            slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
-        ST* head = state_head(p, slot, hv);
-        const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
-        float s[TK][TV];
-        kda_u32 w[TW];
-        ST* const bt = reinterpret_cast<ST*>(eager_dsm); // the bulk tile
-        if constexpr (BULK) {
-            if (warp == 0) {
-                if (lane == 0 && iter == 0u) bulk_bar_init(&bulk_bar);
-                KDA_SYNCWARP();
-                tile_bulk<true>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
-            }
-        } else if constexpr (STAGED) {
-            tile_issue(eager_dsm, head, it.cb, cw, cwv);
-            cp_async_commit();
-        } else if constexpr (TILE_WORDS) {
-            load_tile_words(head, lk, col0l < cwv ? col0 : V, w);
-        } else {
-            load_tile(head, lk, col0l < cwv ? col0 : V, s);
-        }
-
-        if (early) {
-            if (warp == 0 || warp == 1) {
-                float xf[KL];
-    #pragma unroll
-                for (int i = 0; i < KL; ++i) xf[i] = input_from_bits(x[i]);
-                if (warp == 0) {
-                    act_finish(xf, ak, l2, false, p.scale, lane);
-                } else {
-                    act_finish(xf, aq, l2, true, p.scale, lane);
-                }
-            } else {
-                const float a_exp = p.gate_mode ? expf(alog) : 0.0f;
-    #pragma unroll
-                for (int j = 0; j < DKE; ++j) {
-                    const int kk = tid + j * dn;
-                    const float b = __uint_as_float(x[DKE + j]);
-                    if (kk < K) ad[kk] = decay_at(input_from_bits(x[j]), &b, p, a_exp);
-                }
-    #pragma unroll
-                for (int j = 0; j < VPT; ++j) {
-                    const int c = tid + j * dn;
-                    if (c < cwv) av[c] = input_from_bits(vr[j]);
-                }
-                if (tid == 0) abeta = act_beta(input_from_bits(braw), p);
+    const bool early = EARLY_FITS && nwarps >= 4;
+    const int tid = (int)threadIdx.x - 64, dn = (int)blockDim.x - 64; // the gate threads
+    // The loads' bits, converted to f32 only after the tile's loads are issued: a conversion
+    // right after its load (where the compiler puts it) would make the warp wait for the inputs
+    // before it even loads the slot.
+    kda_u32 x[KL];               // warp 0: key, warp 1: query, gate threads: raw gates, biases
+    kda_u32 vr[VPT], braw = 0u;
+    float alog = 0.0f;
+    if (early) {
+        if (warp == 0 || warp == 1) {
+            const IT* src = warp == 0 ? kp : qp;
+#pragma unroll
+            for (int i = 0; i < KL; ++i) {
+                const int kk = lane + 32 * i;
+                x[i] = kk < K ? input_bits(src + kk) : 0u;
             }
         } else {
-            eager_activate(p, kp, qp, gp, bias, vp, cwv, kda_load(*bp),
-                           p.gate_mode ? reinterpret_cast<const float*>(p.a_log)[hv] : 0.0f, ak, aq, ad, av, &abeta);
-        }
-        if constexpr (STAGED) cp_async_wait<0>();
-        __syncthreads();
-        // the lane's part of the bulk tile: K-first, its rows' shift (bulk_row); columns relative
-        // to the item's first
-        ST* const bl = bt + (VFIRST ? 0 : lk * WC);
-        const int bcol = col0l < cwv ? col0l : V;
-        if constexpr (BULK) {
-            bulk_bar_wait_parity(&bulk_bar, iter & 1u);
-            if constexpr (STREAM) {
-                // the tile stays in shared memory (token_step_stream)
-            } else if constexpr (TILE_WORDS) {
-                load_tile_words(bl, lk, bcol, w, cw);
-                tile_from_words(w, s);
-            } else {
-                load_tile(bl, lk, bcol, s, cw);
+#pragma unroll
+            for (int j = 0; j < DKE; ++j) {
+                const int kk = tid + j * dn;
+                x[j] = kk < K ? input_bits(gp + kk) : 0u;
+                x[DKE + j] = kk < K && p.gate_mode != 0u ? __float_as_uint(bias[kk]) : 0u;
             }
-        } else if constexpr (STAGED) {
-            tile_from_stage(reinterpret_cast<const ST*>(eager_dsm), lk, col0l, cwv, cw, s);
-        } else if constexpr (TILE_WORDS) {
-            tile_from_words(w, s);
-        }
-        float o[TV];
-        if constexpr (STREAM) {
-            const kda_u32 elem0 = tile_elem0<true>(hv, it.cb);
-            if (p.sr) {
-                const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-                token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
-                                        kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
-            } else {
-                token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
+#pragma unroll
+            for (int j = 0; j < VPT; ++j) {
+                const int c = tid + j * dn;
+                vr[j] = c < cwv ? input_bits(vp + c) : 0u;
             }
-        } else {
-            token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
+            if (tid == 0) braw = input_bits(bp);
+            if (p.gate_mode != 0u) alog = reinterpret_cast<const float*>(p.a_log)[hv];
         }
-        if (!BULK_OUT && col0l >= cwv) return;
-        if (col0l < cwv) {
-            if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
-            // BULK_OUT: into the bulk tile where it came from (columns relative to the item's
-            // first), then out by bulk copies below
-            ST* const dst = BULK_OUT ? bl : head;
-            const int dcol = BULK_OUT ? col0l : col0;
-            const kda_u32 elem0 = tile_elem0<BULK_OUT>(hv, it.cb);
-            const int rs = BULK_OUT ? cw : V;
-            if constexpr (STREAM) {
-                // there already (token_step_stream)
-            } else if (p.sr) {
-                const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-                store_tile<true>(dst, lk, dcol, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0, rs);
-            } else {
-                store_tile<false>(dst, lk, dcol, s, 0u, elem0, rs);
-            }
+    }
+
+    if (SLOT_AGAIN || !KDA_GRID_DEPENDENCY || p.early != EARLY_SLOT_ONCE)
+        slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
+    ST* head = state_head(p, slot, hv);
+    const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
+    float s[TK][TV];
+    kda_u32 w[TW];
+    ST* const bt = reinterpret_cast<ST*>(eager_dsm); // the bulk tile
+    if constexpr (BULK) {
+        if (warp == 0) {
+            if (lane == 0) bulk_bar_init(&bulk_bar);
+            KDA_SYNCWARP();
+            tile_bulk<true>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
         }
-        if constexpr (BULK_OUT) {
-            bulk_fence();
-            __syncthreads();
-            if (warp == 0) {
-                tile_bulk<false>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
-                bulk_out_done();
-            }
-        }
-    };
-    if constexpr (STREAM) {
-        const kda_u32 total = p.n_seqs * p.hv * p.vblocks;
-        kda_u32 iter = 0u;
-        for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++iter) one(item, iter);
+    } else if constexpr (STAGED) {
+        tile_issue(eager_dsm, head, it.cb, cw, cwv);
+        cp_async_commit();
+    } else if constexpr (TILE_WORDS) {
+        load_tile_words(head, lk, col0l < cwv ? col0 : V, w);
     } else {
-        one(blockIdx.x, 0u);
+        load_tile(head, lk, col0l < cwv ? col0 : V, s);
+    }
+
+    if (early) {
+        if (warp == 0 || warp == 1) {
+            float xf[KL];
+#pragma unroll
+            for (int i = 0; i < KL; ++i) xf[i] = input_from_bits(x[i]);
+            if (warp == 0) {
+                act_finish(xf, ak, l2, false, p.scale, lane);
+            } else {
+                act_finish(xf, aq, l2, true, p.scale, lane);
+            }
+        } else {
+            const float a_exp = p.gate_mode ? expf(alog) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < DKE; ++j) {
+                const int kk = tid + j * dn;
+                const float b = __uint_as_float(x[DKE + j]);
+                if (kk < K) ad[kk] = decay_at(input_from_bits(x[j]), &b, p, a_exp);
+            }
+#pragma unroll
+            for (int j = 0; j < VPT; ++j) {
+                const int c = tid + j * dn;
+                if (c < cwv) av[c] = input_from_bits(vr[j]);
+            }
+            if (tid == 0) abeta = act_beta(input_from_bits(braw), p);
+        }
+    } else {
+        eager_activate(p, kp, qp, gp, bias, vp, cwv, kda_load(*bp),
+                       p.gate_mode ? reinterpret_cast<const float*>(p.a_log)[hv] : 0.0f, ak, aq, ad, av, &abeta);
+    }
+    if constexpr (STAGED) cp_async_wait<0>();
+    __syncthreads();
+    // the lane's part of the bulk tile: K-first, its rows' shift (bulk_row); columns relative
+    // to the item's first
+    ST* const bl = bt + (VFIRST ? 0 : lk * WC);
+    const int bcol = col0l < cwv ? col0l : V;
+    if constexpr (BULK) {
+        bulk_bar_wait(&bulk_bar);
+        if constexpr (STREAM) {
+            // the tile stays in shared memory (token_step_stream)
+        } else if constexpr (TILE_WORDS) {
+            load_tile_words(bl, lk, bcol, w, cw);
+            tile_from_words(w, s);
+        } else {
+            load_tile(bl, lk, bcol, s, cw);
+        }
+    } else if constexpr (STAGED) {
+        tile_from_stage(reinterpret_cast<const ST*>(eager_dsm), lk, col0l, cwv, cw, s);
+    } else if constexpr (TILE_WORDS) {
+        tile_from_words(w, s);
+    }
+    float o[TV];
+    if constexpr (STREAM) {
+        const kda_u32 elem0 = tile_elem0<true>(hv, it.cb);
+        if (p.sr) {
+            const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+            token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
+                                    kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
+        } else {
+            token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
+        }
+    } else {
+        token_step(s, ak, ad, aq, av + col0l, cwv - col0l, abeta, lk, true, o);
+    }
+    if (!BULK_OUT && col0l >= cwv) return;
+    if (col0l < cwv) {
+        if (lk == 0) store_out(reinterpret_cast<IT*>(p.out) + (tok * p.hv + hv) * V + col0, o, col0);
+        // BULK_OUT: into the bulk tile where it came from (columns relative to the item's
+        // first), then out by bulk copies below
+        ST* const dst = BULK_OUT ? bl : head;
+        const int dcol = BULK_OUT ? col0l : col0;
+        const kda_u32 elem0 = tile_elem0<BULK_OUT>(hv, it.cb);
+        const int rs = BULK_OUT ? cw : V;
+        if constexpr (STREAM) {
+            // there already (token_step_stream)
+        } else if (p.sr) {
+            const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+            store_tile<true>(dst, lk, dcol, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0, rs);
+        } else {
+            store_tile<false>(dst, lk, dcol, s, 0u, elem0, rs);
+        }
+    }
+    if constexpr (BULK_OUT) {
+        bulk_fence();
+        __syncthreads();
+        if (warp == 0) {
+            tile_bulk<false>(bt, head, it.cb, cw, cwv, &bulk_bar, lane);
+            bulk_out_done();
+        }
     }
 }
 

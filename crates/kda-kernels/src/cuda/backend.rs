@@ -578,16 +578,7 @@ impl CudaBackend {
                 if smem > 0 {
                     k.opt_in_smem(smem)?;
                 }
-                // PROBE: the stream kernel persistent with KDA_PROBE_STREAM_PERSIST set: that many
-                // CTAs, or (0 or not a number) as many as fit at once
-                let cap = match std::env::var("KDA_PROBE_STREAM_PERSIST") {
-                    Ok(v) if mv == TileMove::Stream => match v.parse::<usize>() {
-                        Ok(c) if c > 0 => Some(c),
-                        _ => Some(self.persistent_grid(&k, warps * 32, smem)?),
-                    },
-                    _ => None,
-                };
-                (k, smem, cap)
+                (k, smem, None)
             }
             (Some(pl), _) => {
                 let k = eager_kernel(&self.ctx, key, pl.stage_store)?;
