@@ -1753,15 +1753,6 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
 #endif
     KDA_DEPENDENT_LAUNCH();
     if (item == 0 && threadIdx.x == 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
-    // PROBE: the first wave staggered: its CTA of rank r on an SM (r = item / SMs) starts r x
-    // ring_mq cycles after the wait
-    if constexpr (STREAM) {
-        if (p.ring_mq != 0u && item < p.ring_mt) {
-            const long long cyc = (long long)(item / p.ring_gran) * (long long)p.ring_mq;
-            const long long t0 = clock64();
-            while (clock64() - t0 < cyc) __nanosleep(64);
-        }
-    }
     const EagerItem it = eager_item(p, item, 0u); // its coordinates; the slot is loaded below
     const int cwv = cmin(cw, V - it.cb);
     const size_t tok = it.tok, hv = (size_t)it.hv;

@@ -648,18 +648,6 @@ impl CudaBackend {
             *self.dependent_launch.lock(),
             self.has_dependent_launch,
         );
-        // PROBE: KDA_PROBE_STAGGER_CYC staggers the stream kernel's first wave
-        static STAGGER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-        let stagger = if pipe.is_some_and(|pl| pl.tile == Some(TileMove::Stream)) {
-            *STAGGER.get_or_init(|| {
-                std::env::var("KDA_PROBE_STAGGER_CYC")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0)
-            })
-        } else {
-            0
-        };
         let params = KdaParams {
             q: inputs.map_or(0, |i| ptr(i.q.buf)),
             k: inputs.map_or(0, |i| ptr(i.k.buf)),
@@ -697,26 +685,14 @@ impl CudaBackend {
             units: units as u32,
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
-            ring_mt: if stagger > 0 {
-                STREAM_CTAS_PER_SM * self.num_sms
-            } else {
-                ring_pipe.map_or(0, |rp| rp.mt as u32)
-            },
+            ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
             early: match (dependent, pipe.is_some_and(|pl| pl.slot_once)) {
                 (false, _) => 0,
                 (true, false) => EARLY_PREFETCH,
                 (true, true) => EARLY_SLOT_ONCE,
             },
-            ring_gran: if stagger > 0 {
-                self.num_sms
-            } else {
-                ring_pipe.map_or(0, |rp| rp.gran as u32)
-            },
-            ring_mq: if stagger > 0 {
-                stagger
-            } else {
-                ring_pipe.map_or(0, |rp| rp.mq as u32)
-            },
+            ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
+            ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
             div_seq: FastDiv::new((units * vblocks) as u32),
             div_vb: FastDiv::new(vblocks as u32),
             div_grp: FastDiv::new(g.group() as u32),
