@@ -177,13 +177,6 @@ impl CudaBackend {
         let f = copy_kernel(self.context())?;
         let s = self.stream();
         let (sp, dp, n) = (src.device_ptr(s), dst.device_ptr(s), n16 as u64);
-        // PROBE: KDA_PROBE_COPY_INPLACE=1 copies each buffer onto itself (a read and a write of
-        // the same words, as decode updates a state in place)
-        let dp = if std::env::var("KDA_PROBE_COPY_INPLACE").is_ok() {
-            sp
-        } else {
-            dp
-        };
         let mut out = Vec::with_capacity(COPY_SHAPES.len());
         for shape in COPY_SHAPES {
             let cfg = LaunchConfig {
