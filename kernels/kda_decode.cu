@@ -2009,89 +2009,61 @@ __device__ __forceinline__ void pipe_step_sync(int group) {
 // The loader warp: fills the buffers with this CTA's items in order. (Its tile copies and the
 // storer's are tile_bulk's for a whole head, written out here: the same kernel issuing them
 // through tile_bulk measured 3.7% slower at 768 heads on the H200, thirty-second session.)
-// A CTA's next item, taken from the launch's item counter (p.err word 3) by lane 0. Every loader
-// takes items until it draws one past the last, so a launch draws total + gridDim.x times; the
-// last draw puts the counter back to 0 for the next launch (which reads it only after its
-// dependent-launch wait, so after this grid has ended).
-__device__ __forceinline__ kda_u32 pipe_take(const KdaParams& p, kda_u32 total, int lane) {
-    kda_u32 v = 0u;
-    if (lane == 0) {
-        kda_u32* ctr = reinterpret_cast<kda_u32*>(p.err) + 3;
-        v = atomicAdd(ctr, 1u);
-        if (v == total + gridDim.x - 1u) atomicExch(ctr, 0u);
-    }
-    return KDA_SHFL(v, 0);
-}
-
-// An item's scalars, one per lane: lane 0 its slot, lane 1 its raw beta, lane 2 its a_log.
-__device__ __forceinline__ kda_u32 pipe_scalar(const KdaParams& p, kda_u32 item, kda_u32 total, int lane) {
-    if (item >= total || lane > 2) return 0u;
-    const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
-    if (lane == 0) return reinterpret_cast<const kda_u32*>(p.slots)[n];
-    if (lane == 1) return input_bits(reinterpret_cast<const IT*>(p.beta) + (size_t)n * p.hv + hv);
-    return p.gate_mode != 0u ? reinterpret_cast<const kda_u32*>(p.a_log)[hv] : 0u;
-}
-
-// The loader warp: fills the buffers with the items it takes, in turn (item t of the CTA into
-// buffer t % nb, for step group t % groups); past the last item, one end mark (item KDA_NONE)
-// for each step group. The next item is taken, and its scalars loaded, while the warp waits
-// for a buffer. (Its tile copies and the storer's are tile_bulk's for a whole head, written out
-// here: the same kernel issuing them through tile_bulk measured 3.7% slower at 768 heads on the
-// H200, thirty-second session.)
 __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
-                                          kda_u32 total, int nb, int groups, int lane) {
+                                          kda_u32 total, int nb, int lane) {
     const PipeBuffer L;
-    kda_u32 item = pipe_take(p, total, lane);
-    kda_u32 x = pipe_scalar(p, item, total, lane);
-    int marks = 0;
-    for (kda_u32 t = 0; marks < groups; ++t) {
-        const int bi = (int)(t % (kda_u32)nb);
-        const kda_u32 round = t / (kda_u32)nb;
-        unsigned char* buf = dsm + bi * L.bytes;
-        if (round > 0u) mbar_wait(&empty[bi], (round - 1u) & 1u);
-        kda_u32* sc = reinterpret_cast<kda_u32*>(buf + L.scal);
-        if (item >= total) {
+    const kda_u32 step = gridDim.x;
+    kda_u32 t = 0;
+    for (kda_u32 base = blockIdx.x; base < total; base += 32u * step) {
+        // the scalars of items base + l step, lane l
+        const kda_u32 mine = base + (kda_u32)lane * step;
+        kda_u32 slot = 0u, braw = 0u, alog = 0u;
+        if (mine < total) {
+            const kda_u32 n = eager_seq(p, mine), hv = mine - n * p.hv;
+            slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+            braw = input_bits(reinterpret_cast<const IT*>(p.beta) + (size_t)n * p.hv + hv);
+            if (p.gate_mode != 0u) alog = reinterpret_cast<const kda_u32*>(p.a_log)[hv];
+        }
+        const kda_u32 cnt = cmin(32, (int)((total - base + step - 1) / step));
+        for (kda_u32 i = 0; i < cnt; ++i, ++t) {
+            const kda_u32 item = base + i * step;
+            const kda_u32 s = KDA_SHFL(slot, (int)i), b = KDA_SHFL(braw, (int)i), a = KDA_SHFL(alog, (int)i);
+            const int bi = (int)(t % (kda_u32)nb);
+            const kda_u32 round = t / (kda_u32)nb;
+            unsigned char* buf = dsm + bi * L.bytes;
+            if (round > 0u) mbar_wait(&empty[bi], (round - 1u) & 1u);
+            const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
+            const size_t h = kda_div(hv, p.div_grp);
+            const bool gated = p.gate_mode != 0u;
             if (lane == 0) {
-                sc[3] = KDA_NONE;
-                mbar_arrive(&full[bi]);
+                kda_u32* sc = reinterpret_cast<kda_u32*>(buf + L.scal);
+                sc[0] = b;
+                sc[1] = a;
+                sc[2] = s;
+                const kda_u32 rows = (kda_u32)(3 * K + V) * sizeof(IT) + (gated ? (kda_u32)K * 4u : 0u);
+                bulk_bar_expect(&full[bi], (kda_u32)(K * V) * sizeof(ST) + rows);
             }
-            ++marks;
-            continue;
-        }
-        const kda_u32 s = KDA_SHFL(x, 0), b = KDA_SHFL(x, 1), a = KDA_SHFL(x, 2);
-        const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
-        const size_t h = kda_div(hv, p.div_grp);
-        const bool gated = p.gate_mode != 0u;
-        if (lane == 0) {
-            sc[0] = b;
-            sc[1] = a;
-            sc[2] = s;
-            sc[3] = item;
-            const kda_u32 rows = (kda_u32)(3 * K + V) * sizeof(IT) + (gated ? (kda_u32)K * 4u : 0u);
-            bulk_bar_expect(&full[bi], (kda_u32)(K * V) * sizeof(ST) + rows);
-        }
-        KDA_SYNCWARP();
-        ST* const head = state_head(p, s, hv);
-        ST* const tile = reinterpret_cast<ST*>(buf);
-        if constexpr (VFIRST) {
-            if (lane == 0) bulk_in(tile, head, (kda_u32)(K * V) * sizeof(ST), &full[bi]);
-        } else {
-            for (int r = lane * TK; r < K; r += 32 * TK)
-                bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(cmin(TK, K - r) * V) * sizeof(ST),
+            KDA_SYNCWARP();
+            ST* const head = state_head(p, s, hv);
+            ST* const tile = reinterpret_cast<ST*>(buf);
+            if constexpr (VFIRST) {
+                if (lane == 0) bulk_in(tile, head, (kda_u32)(K * V) * sizeof(ST), &full[bi]);
+            } else {
+                for (int r = lane * TK; r < K; r += 32 * TK)
+                    bulk_in(tile + bulk_row(r, V), head + (size_t)r * V, (kda_u32)(cmin(TK, K - r) * V) * sizeof(ST),
+                            &full[bi]);
+            }
+            const size_t tk = (size_t)n * p.h + h, tv = (size_t)n * p.hv + hv;
+            const kda_u32 kb = (kda_u32)K * sizeof(IT);
+            if (lane == 27) bulk_in(buf + L.k, reinterpret_cast<const IT*>(p.k) + tk * K, kb, &full[bi]);
+            if (lane == 28) bulk_in(buf + L.q, reinterpret_cast<const IT*>(p.q) + tk * K, kb, &full[bi]);
+            if (lane == 29) bulk_in(buf + L.g, reinterpret_cast<const IT*>(p.g) + tv * K, kb, &full[bi]);
+            if (lane == 30)
+                bulk_in(buf + L.v, reinterpret_cast<const IT*>(p.v) + tv * V, (kda_u32)V * sizeof(IT), &full[bi]);
+            if (lane == 31 && gated)
+                bulk_in(buf + L.bias, reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, (kda_u32)K * 4u,
                         &full[bi]);
         }
-        const size_t tk = (size_t)n * p.h + h, tv = (size_t)n * p.hv + hv;
-        const kda_u32 kb = (kda_u32)K * sizeof(IT);
-        if (lane == 27) bulk_in(buf + L.k, reinterpret_cast<const IT*>(p.k) + tk * K, kb, &full[bi]);
-        if (lane == 28) bulk_in(buf + L.q, reinterpret_cast<const IT*>(p.q) + tk * K, kb, &full[bi]);
-        if (lane == 29) bulk_in(buf + L.g, reinterpret_cast<const IT*>(p.g) + tv * K, kb, &full[bi]);
-        if (lane == 30)
-            bulk_in(buf + L.v, reinterpret_cast<const IT*>(p.v) + tv * V, (kda_u32)V * sizeof(IT), &full[bi]);
-        if (lane == 31 && gated)
-            bulk_in(buf + L.bias, reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K, (kda_u32)K * 4u,
-                    &full[bi]);
-        item = pipe_take(p, total, lane);
-        x = pipe_scalar(p, item, total, lane);
     }
 }
 
@@ -2099,12 +2071,11 @@ __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm
 __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* dsm, kda_u64* computed,
                                            kda_u64* empty, kda_u32 total, int nb, int lane) {
     const PipeBuffer L;
-    for (kda_u32 t = 0;; ++t) {
+    kda_u32 t = 0;
+    for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * L.bytes;
         mbar_wait(&computed[bi], (t / (kda_u32)nb) & 1u);
-        const kda_u32 item = reinterpret_cast<const kda_u32*>(buf + L.scal)[3];
-        if (item == KDA_NONE) return; // the end mark
         const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
         const kda_u32 s = reinterpret_cast<const kda_u32*>(buf + L.scal)[2];
         ST* const head = state_head(p, s, hv);
@@ -2137,19 +2108,15 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
     const int bcol = col0l < V ? col0l : V;
     const bool l2 = p.l2norm != 0u;
     const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-    // the group's items: the CTA's items t = group, group + groups, ... up to its end mark
-    for (kda_u32 t = (kda_u32)group;; t += (kda_u32)groups) {
+    // the group's items: the CTA's items t = group, group + groups, ...
+    kda_u32 t = (kda_u32)group;
+    for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total;
+         item += (kda_u32)groups * gridDim.x, t += (kda_u32)groups) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * L.bytes;
         mbar_wait(&full[bi], (t / (kda_u32)nb) & 1u);
-        const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + L.scal);
-        const kda_u32 item = sc[3];
-        if (item == KDA_NONE) {
-            // the storer stops at the first end mark
-            if (warp == 0 && lane == 0) mbar_arrive(&computed[bi]);
-            return;
-        }
         const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
+        const kda_u32* sc = reinterpret_cast<const kda_u32*>(buf + L.scal);
         if (warp == 0) {
             act_row<false, true>(reinterpret_cast<const IT*>(buf + L.k), ak, l2, false, p.scale, lane);
         } else if (warp == 1) {
@@ -2204,7 +2171,7 @@ extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pip
     KDA_DEPENDENT_LAUNCH();
     if (blockIdx.x == 0 && threadIdx.x == 0 && total > 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
     if (warp == groups * PIPE_WARPS) {
-        pipe_load(p, dsm, full, empty, total, nb, groups, lane);
+        pipe_load(p, dsm, full, empty, total, nb, lane);
     } else if (warp == groups * PIPE_WARPS + 1) {
         pipe_store(p, dsm, computed, empty, total, nb, lane);
     } else {
