@@ -2006,37 +2006,27 @@ __device__ __forceinline__ void pipe_step_sync(int group) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(PIPE_WARPS * 32) : "memory");
 }
 
-// PROBE: a CTA's items as one contiguous run (the first `rem` CTAs one more than the rest)
-// instead of blockIdx.x + t gridDim.x: its first item and how many.
-__device__ __forceinline__ kda_u32 pipe_first(kda_u32 total) {
-    const kda_u32 q = total / gridDim.x, r = total % gridDim.x;
-    return blockIdx.x * q + (blockIdx.x < r ? blockIdx.x : r);
-}
-__device__ __forceinline__ kda_u32 pipe_count(kda_u32 total) {
-    return total / gridDim.x + (blockIdx.x < total % gridDim.x ? 1u : 0u);
-}
-
 // The loader warp: fills the buffers with this CTA's items in order. (Its tile copies and the
 // storer's are tile_bulk's for a whole head, written out here: the same kernel issuing them
 // through tile_bulk measured 3.7% slower at 768 heads on the H200, thirty-second session.)
 __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
                                           kda_u32 total, int nb, int lane) {
     const PipeBuffer L;
-    const kda_u32 first = pipe_first(total), count = pipe_count(total), end = first + count;
+    const kda_u32 step = gridDim.x;
     kda_u32 t = 0;
-    for (kda_u32 base = first; base < end; base += 32u) {
-        // the scalars of items base + l, lane l
-        const kda_u32 mine = base + (kda_u32)lane;
+    for (kda_u32 base = blockIdx.x; base < total; base += 32u * step) {
+        // the scalars of items base + l step, lane l
+        const kda_u32 mine = base + (kda_u32)lane * step;
         kda_u32 slot = 0u, braw = 0u, alog = 0u;
-        if (mine < end) {
+        if (mine < total) {
             const kda_u32 n = eager_seq(p, mine), hv = mine - n * p.hv;
             slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
             braw = input_bits(reinterpret_cast<const IT*>(p.beta) + (size_t)n * p.hv + hv);
             if (p.gate_mode != 0u) alog = reinterpret_cast<const kda_u32*>(p.a_log)[hv];
         }
-        const kda_u32 cnt = cmin(32, (int)(end - base));
+        const kda_u32 cnt = cmin(32, (int)((total - base + step - 1) / step));
         for (kda_u32 i = 0; i < cnt; ++i, ++t) {
-            const kda_u32 item = base + i;
+            const kda_u32 item = base + i * step;
             const kda_u32 s = KDA_SHFL(slot, (int)i), b = KDA_SHFL(braw, (int)i), a = KDA_SHFL(alog, (int)i);
             const int bi = (int)(t % (kda_u32)nb);
             const kda_u32 round = t / (kda_u32)nb;
@@ -2081,9 +2071,8 @@ __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm
 __device__ __forceinline__ void pipe_store(const KdaParams& p, unsigned char* dsm, kda_u64* computed,
                                            kda_u64* empty, kda_u32 total, int nb, int lane) {
     const PipeBuffer L;
-    const kda_u32 first = pipe_first(total), count = pipe_count(total);
-    for (kda_u32 t = 0; t < count; ++t) {
-        const kda_u32 item = first + t;
+    kda_u32 t = 0;
+    for (kda_u32 item = blockIdx.x; item < total; item += gridDim.x, ++t) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * L.bytes;
         mbar_wait(&computed[bi], (t / (kda_u32)nb) & 1u);
@@ -2120,9 +2109,9 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
     const bool l2 = p.l2norm != 0u;
     const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
     // the group's items: the CTA's items t = group, group + groups, ...
-    const kda_u32 first = pipe_first(total), count = pipe_count(total);
-    for (kda_u32 t = (kda_u32)group; t < count; t += (kda_u32)groups) {
-        const kda_u32 item = first + t;
+    kda_u32 t = (kda_u32)group;
+    for (kda_u32 item = blockIdx.x + t * gridDim.x; item < total;
+         item += (kda_u32)groups * gridDim.x, t += (kda_u32)groups) {
         const int bi = (int)(t % (kda_u32)nb);
         unsigned char* buf = dsm + bi * L.bytes;
         mbar_wait(&full[bi], (t / (kda_u32)nb) & 1u);
