@@ -315,6 +315,13 @@ fn setup(
     state: Dtype,
     layout: StateLayout,
 ) -> Result<Setup, CliError> {
+    // PROBE: KDA_PROBE_SLEEP_MS idles the GPU before each case
+    if let Some(ms) = std::env::var("KDA_PROBE_SLEEP_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
     let mem = be.memory();
     let set_bytes = n * h * KD * KD * state.size();
     let r = num_sets(set_bytes);
@@ -776,7 +783,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     be.set_eager_warps(None).map_err(kerr)?;
                                 }
                                 be.set_eager_stages(None).map_err(kerr)?;
-                                drop(s);
+                                // PROBE: KDA_PROBE_LEAK keeps every case's buffers allocated
+                                if std::env::var("KDA_PROBE_LEAK").is_ok() {
+                                    std::mem::forget(s);
+                                } else {
+                                    drop(s);
+                                }
                                 // with a ring
                                 let l = args.ring;
                                 let mut s = setup(&be, h, n, 1, l, state, layout)?;
@@ -796,6 +808,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     b.record(&op, h, n, 1, l, state, layout, sets, us, bytes)?;
                                 }
                                 be.set_ring_kernel(None).map_err(kerr)?;
+                                if std::env::var("KDA_PROBE_LEAK").is_ok() {
+                                    std::mem::forget(s);
+                                }
                             }
                         }
                         Kind::Spec => {
