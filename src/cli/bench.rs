@@ -315,13 +315,6 @@ fn setup(
     state: Dtype,
     layout: StateLayout,
 ) -> Result<Setup, CliError> {
-    // PROBE: KDA_PROBE_SLEEP_MS idles the GPU before each case
-    if let Some(ms) = std::env::var("KDA_PROBE_SLEEP_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        std::thread::sleep(std::time::Duration::from_millis(ms));
-    }
     let mem = be.memory();
     let set_bytes = n * h * KD * KD * state.size();
     let r = num_sets(set_bytes);
@@ -783,12 +776,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     be.set_eager_warps(None).map_err(kerr)?;
                                 }
                                 be.set_eager_stages(None).map_err(kerr)?;
-                                // PROBE: KDA_PROBE_LEAK keeps every case's buffers allocated
-                                if std::env::var("KDA_PROBE_LEAK").is_ok() {
-                                    std::mem::forget(s);
-                                } else {
-                                    drop(s);
-                                }
+                                drop(s);
                                 // with a ring
                                 let l = args.ring;
                                 let mut s = setup(&be, h, n, 1, l, state, layout)?;
@@ -808,9 +796,6 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     b.record(&op, h, n, 1, l, state, layout, sets, us, bytes)?;
                                 }
                                 be.set_ring_kernel(None).map_err(kerr)?;
-                                if std::env::var("KDA_PROBE_LEAK").is_ok() {
-                                    std::mem::forget(s);
-                                }
                             }
                         }
                         Kind::Spec => {
