@@ -319,32 +319,7 @@ fn setup(
     let set_bytes = n * h * KD * KD * state.size();
     let r = num_sets(set_bytes);
     let geometry = bench_geometry(h, r * n, ring_len, state, layout);
-    // PROBE: KDA_PROBE_PAD_KB allocates (and leaks) that many KiB before the planes
-    if let Some(kb) = std::env::var("KDA_PROBE_PAD_KB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        if kb > 0 {
-            std::mem::forget(mem.alloc_zeroed(kb << 10).map_err(perr)?);
-        }
-    }
-    // PROBE: KDA_PROBE_PAD_B allocates (and leaks) that many bytes before the planes
-    if let Some(b) = std::env::var("KDA_PROBE_PAD_B")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        if b > 0 {
-            std::mem::forget(mem.alloc_zeroed(b).map_err(perr)?);
-        }
-    }
     let mut planes = LayerPlanes::new(mem, &geometry, 0).map_err(perr)?;
-    eprintln!(
-        "probe-addr H={h} N={n} T={t} ring={ring_len} {state:?} ssm={:#x} (mod 2M {:#x}) ring={:#x} slots={}",
-        mem.probe_addr(&planes.ssm),
-        mem.probe_addr(&planes.ssm) % (2 << 20),
-        mem.probe_addr(&planes.ring),
-        r * n
-    );
     be.fill_random(&mut planes.ssm, state, 1, 0.1)
         .map_err(kerr)?;
     be.fill_random(&mut planes.ring, IN, 2, 1.0).map_err(kerr)?;

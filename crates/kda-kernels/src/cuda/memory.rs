@@ -64,11 +64,6 @@ impl CudaMemory {
         Self { stream }
     }
 
-    /// PROBE: the device address of a buffer.
-    pub fn probe_addr(&self, b: &CudaBuffer) -> u64 {
-        b.device_ptr(&self.stream)
-    }
-
     /// The stream every copy and kernel of this memory runs on.
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
