@@ -2010,7 +2010,7 @@ __device__ __forceinline__ void pipe_step_sync(int group) {
 // storer's are tile_bulk's for a whole head, written out here: the same kernel issuing them
 // through tile_bulk measured 3.7% slower at 768 heads on the H200, thirty-second session.)
 __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm, kda_u64* full, kda_u64* empty,
-                                          kda_u32 total, int nb, int lane, kda_u32 lim) {
+                                          kda_u32 total, int nb, int lane) {
     const PipeBuffer L;
     const kda_u32 step = gridDim.x;
     kda_u32 t = 0;
@@ -2032,8 +2032,6 @@ __device__ __forceinline__ void pipe_load(const KdaParams& p, unsigned char* dsm
             const kda_u32 round = t / (kda_u32)nb;
             unsigned char* buf = dsm + bi * L.bytes;
             if (round > 0u) mbar_wait(&empty[bi], (round - 1u) & 1u);
-            // PROBE: at most lim tiles in flight (item t - lim has arrived)
-            if (lim != 0u && t >= lim) mbar_wait(&full[(t - lim) % (kda_u32)nb], ((t - lim) / (kda_u32)nb) & 1u);
             const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
             const size_t h = kda_div(hv, p.div_grp);
             const bool gated = p.gate_mode != 0u;
@@ -2162,7 +2160,7 @@ extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pip
     unsigned char* const dsm = eager_dsm + ((PIPE_ALIGN - (smem_addr(eager_dsm) & (PIPE_ALIGN - 1))) & (PIPE_ALIGN - 1));
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = ((int)(blockDim.x >> 5) - 2) / PIPE_WARPS;
-    const int nb = cmin((int)(p.stages & 0xffu), PIPE_MAX_BUFFERS);
+    const int nb = cmin((int)p.stages, PIPE_MAX_BUFFERS);
     const kda_u32 total = p.n_seqs * p.hv;
     if (threadIdx.x < (unsigned)nb) {
         bulk_bar_init(&full[threadIdx.x]);
@@ -2173,7 +2171,7 @@ extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pip
     KDA_DEPENDENT_LAUNCH();
     if (blockIdx.x == 0 && threadIdx.x == 0 && total > 0) atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
     if (warp == groups * PIPE_WARPS) {
-        pipe_load(p, dsm, full, empty, total, nb, lane, p.stages >> 8);
+        pipe_load(p, dsm, full, empty, total, nb, lane);
     } else if (warp == groups * PIPE_WARPS + 1) {
         pipe_store(p, dsm, computed, empty, total, nb, lane);
     } else {

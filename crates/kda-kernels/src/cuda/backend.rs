@@ -684,19 +684,7 @@ impl CudaBackend {
             heads_per_cta: heads_per_cta as u32,
             units: units as u32,
             vblocks: vblocks as u32,
-            // PROBE: KDA_PROBE_PIPE_INFLIGHT limits the bulk pipe's tiles in flight
-            stages: pipe.map_or(2, |pl| {
-                pl.stages as u32
-                    | if pl.stages >= 4 {
-                        std::env::var("KDA_PROBE_PIPE_INFLIGHT")
-                            .ok()
-                            .and_then(|v| v.parse::<u32>().ok())
-                            .unwrap_or(0)
-                            << 8
-                    } else {
-                        0
-                    }
-            }),
+            stages: pipe.map_or(2, |pl| pl.stages as u32),
             ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
             early: match (dependent, pipe.is_some_and(|pl| pl.slot_once)) {
                 (false, _) => 0,
