@@ -18,6 +18,7 @@ mod lanes;
 pub mod memory;
 mod nvrtc;
 mod params;
+pub mod probe;
 mod registry;
 mod ring_plan;
 pub mod timing;
