@@ -1873,11 +1873,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     float o[TV];
     if constexpr (STREAM) {
         const kda_u32 elem0 = tile_elem0<true>(hv, it.cb);
-        if (p.ring_mq != 0u) {
-            // PROBE: no token step (the tile goes back unchanged)
-#pragma unroll
-            for (int c = 0; c < TV; ++c) o[c] = 0.0f;
-        } else if (p.sr) {
+        if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
             token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
                                     kda_sr_base(seed, p.layer, slot, p.epoch), elem0);

@@ -676,28 +676,6 @@ pub fn run(args: Args) -> Result<(), CliError> {
         ));
     }
     let be = CudaBackend::new().map_err(kerr)?;
-    // PROBE: KDA_PROBE_MOVE="hv:n:mode:ops:threads:ctas,..." times kda_probe_move and exits
-    if let Ok(list) = std::env::var("KDA_PROBE_MOVE") {
-        for spec in list.split(',') {
-            let v: Vec<usize> = spec.split(':').map(|x| x.parse().unwrap_or(0)).collect();
-            let (us, copy, fit) = be
-                .probe_move(
-                    v[0],
-                    v[1],
-                    v[2] as u32,
-                    v[3] as u32,
-                    v[4] as u32,
-                    v[5] as u32,
-                    args.replays.max(20),
-                )
-                .map_err(kerr)?;
-            println!(
-                "move H={} N={} mode={} ops={} threads={} ctas={} fit={} {:.2} us copy_same {:.2} us {:.1}% of same",
-                v[0], v[1], v[2], v[3], v[4], v[5], fit, us, copy, 100.0 * copy / us
-            );
-        }
-        return Ok(());
-    }
     println!("device: {}", be.device_name());
     be.set_dependent_launch(dependent_launch).map_err(kerr)?;
     println!("dependent launches: {}", args.dependent_launch);

@@ -380,15 +380,10 @@ impl CudaBackend {
     /// most that many can each have (by the driver's occupancy arithmetic; asked only then, as
     /// the driver refuses the question for a count that the kernel's registers do not allow).
     fn stream_smem(k: &Kernel, threads: usize, smem: usize) -> Result<usize> {
-        // PROBE: KDA_PROBE_STREAM_CTAS overrides the CTAs per SM
-        let per_sm = std::env::var("KDA_PROBE_STREAM_CTAS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(STREAM_CTAS_PER_SM);
-        if k.ctas_per_sm(threads as u32, smem)? <= per_sm {
+        if k.ctas_per_sm(threads as u32, smem)? <= STREAM_CTAS_PER_SM {
             return Ok(smem);
         }
-        Ok(smem.max(k.smem_per_cta(per_sm, threads as u32)?))
+        Ok(smem.max(k.smem_per_cta(STREAM_CTAS_PER_SM, threads as u32)?))
     }
 
     /// Opts a persistent kernel in to `smem` bytes of dynamic shared memory and returns its grid:
@@ -697,13 +692,7 @@ impl CudaBackend {
                 (true, true) => EARLY_SLOT_ONCE,
             },
             ring_gran: ring_pipe.map_or(0, |rp| rp.gran as u32),
-            ring_mq: if pipe.is_some_and(|pl| pl.tile == Some(TileMove::Stream))
-                && std::env::var("KDA_PROBE_NOSTEP").is_ok()
-            {
-                1
-            } else {
-                ring_pipe.map_or(0, |rp| rp.mq as u32)
-            },
+            ring_mq: ring_pipe.map_or(0, |rp| rp.mq as u32),
             div_seq: FastDiv::new((units * vblocks) as u32),
             div_vb: FastDiv::new(vblocks as u32),
             div_grp: FastDiv::new(g.group() as u32),

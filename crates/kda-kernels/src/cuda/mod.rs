@@ -18,7 +18,6 @@ mod lanes;
 pub mod memory;
 mod nvrtc;
 mod params;
-pub mod probe;
 mod registry;
 mod ring_plan;
 pub mod timing;
