@@ -42,13 +42,14 @@ const RING_ROWS: [(&str, RingKernel); 6] = [
 
 /// The eager kernels each eager decode case is also timed with, forced, and their rows'
 /// suffixes (`decode-piped`, ...).
-const EAGER_ROWS: [(&str, EagerKernel); 8] = [
+const EAGER_ROWS: [(&str, EagerKernel); 9] = [
     ("piped", EagerKernel::Pipelined),
     ("tile", EagerKernel::Tile),
     ("staged", EagerKernel::StagedTile),
     ("bulk", EagerKernel::BulkTile),
     ("bulkin", EagerKernel::BulkInTile),
     ("stream", EagerKernel::StreamTile),
+    ("regs", EagerKernel::RegsTile),
     ("pipe", EagerKernel::BulkPipe),
     ("blocked", EagerKernel::Step),
 ];
@@ -139,7 +140,7 @@ pub struct Args {
     pub issue_calls: usize,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
-    /// pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, step).
+    /// regs, pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, step).
     #[arg(long, default_value = "all")]
     pub forced: String,
 }

@@ -351,14 +351,15 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
 
 /// Every eager kernel but the general one: the pipelined kernel, the tile kernels
 /// (`kda_eager_tile`, `kda_eager_tile_staged`, `kda_eager_tile_bulk`, `kda_eager_tile_bulk_in`,
-/// `kda_eager_tile_stream`) and the bulk pipe (`kda_eager_bulk_pipe`).
-const FAST_EAGER_KERNELS: [EagerKernel; 7] = [
+/// `kda_eager_tile_stream`, `kda_eager_regs`) and the bulk pipe (`kda_eager_bulk_pipe`).
+const FAST_EAGER_KERNELS: [EagerKernel; 8] = [
     EagerKernel::Pipelined,
     EagerKernel::Tile,
     EagerKernel::StagedTile,
     EagerKernel::BulkTile,
     EagerKernel::BulkInTile,
     EagerKernel::StreamTile,
+    EagerKernel::RegsTile,
     EagerKernel::BulkPipe,
 ];
 

@@ -232,6 +232,12 @@ fn pipe_buffers(e: &EagerShape, cw: usize) -> Option<usize> {
 /// from 2280 heads by 0.99% (fp16) and 0.68% (bf16).
 const PIPE_2_BYTE_K_FIRST: std::ops::Range<usize> = 384..STREAM_2_BYTE_K_FIRST_FROM;
 
+/// Whether `kda_eager_regs` takes the shape: 2-byte K-first pools with K = V = 128 (its lane
+/// mapping, `REGS_OK` in `kernels/kda_decode.cu`), whole heads per CTA (8 warps).
+fn regs_fits(e: &EagerShape) -> bool {
+    e.state_size == 2 && !e.v_first && e.k == 128 && e.v == 128
+}
+
 /// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
 fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     if !e.bulk {
@@ -280,7 +286,12 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         None if (bulk.is_some()
             || matches!(
                 e.kernel,
-                Some(EagerKernel::BulkTile | EagerKernel::BulkInTile | EagerKernel::StreamTile)
+                Some(
+                    EagerKernel::BulkTile
+                        | EagerKernel::BulkInTile
+                        | EagerKernel::StreamTile
+                        | EagerKernel::RegsTile
+                )
             ))
             && !e.v_first =>
         {
@@ -342,6 +353,7 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             | EagerKernel::BulkTile
             | EagerKernel::BulkInTile
             | EagerKernel::StreamTile
+            | EagerKernel::RegsTile
             | EagerKernel::BulkPipe,
         ) => true,
         _ if bulk.is_some() => true,
@@ -359,6 +371,8 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         (Some(EagerKernel::BulkTile), _) => TileMove::Bulk,
         (Some(EagerKernel::BulkInTile), _) => TileMove::BulkIn,
         (Some(EagerKernel::StreamTile), _) => TileMove::Stream,
+        (Some(EagerKernel::RegsTile), _) if regs_fits(e) && cw == e.v => TileMove::Regs,
+        (Some(EagerKernel::RegsTile), _) => TileMove::Stream,
         (Some(EagerKernel::BulkPipe), _) if pipe_buffers.is_some() => TileMove::Pipe,
         (Some(EagerKernel::BulkPipe), _) => TileMove::Stream,
         (None, Some(mv)) => mv,
@@ -382,7 +396,7 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
                     pipe_buffers.map_or(0, |b| b * pipe_buffer_bytes(e) + PIPE_ALIGN)
                 }
                 None => stages * stage,
-                Some(TileMove::Direct) => 0,
+                Some(TileMove::Direct | TileMove::Regs) => 0,
                 Some(TileMove::Staged) => r16(e.k * cw * e.state_size),
                 Some(TileMove::Bulk | TileMove::BulkIn | TileMove::Stream) => {
                     bulk_tile_bytes(e.k, cw, e.v_first, e.state_size)
@@ -740,6 +754,38 @@ mod tests {
             },
         ] {
             assert_eq!(stream(e), Some(TileMove::Stream));
+        }
+    }
+
+    #[test]
+    fn the_register_head_kernel_takes_whole_2_byte_k_first_heads_of_128_only() {
+        let regs = |e: EagerShape| {
+            eager_plan(&EagerShape {
+                kernel: Some(EagerKernel::RegsTile),
+                ..e
+            })
+            .expect("plan")
+        };
+        for heads in [12, 768, 3072] {
+            let p = regs(shape(2, heads, false));
+            assert_eq!(p.tile, Some(TileMove::Regs), "{heads} heads");
+            assert_eq!((p.warps, p.vblocks, p.smem), (8, 1, 0), "{heads} heads");
+        }
+        // fp32 or V-first pools, other head sizes or fewer warps: the stream kernel instead
+        for e in [
+            shape(4, 768, false),
+            shape(2, 768, true),
+            EagerShape {
+                k: 64,
+                v: 64,
+                ..shape(2, 768, false)
+            },
+            EagerShape {
+                fixed_warps: Some(4),
+                ..shape(2, 768, false)
+            },
+        ] {
+            assert_eq!(regs(e).tile, Some(TileMove::Stream));
         }
     }
 

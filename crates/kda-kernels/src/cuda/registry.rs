@@ -63,6 +63,7 @@ enum Key {
     EagerTileBulk(StepKey),
     EagerTileBulkIn(StepKey),
     EagerTileStream(StepKey),
+    EagerTileRegs(StepKey),
     EagerBulkPipe(StepKey),
     Ring(StepKey),
     RingTile(StepKey),
@@ -85,6 +86,7 @@ impl Key {
             Key::EagerTileBulk(_) => "kda_eager_tile_bulk",
             Key::EagerTileBulkIn(_) => "kda_eager_tile_bulk_in",
             Key::EagerTileStream(_) => "kda_eager_tile_stream",
+            Key::EagerTileRegs(_) => "kda_eager_regs",
             Key::EagerBulkPipe(_) => "kda_eager_bulk_pipe",
             Key::Ring(_) => "kda_ring",
             Key::RingTile(_) => "kda_ring_tile",
@@ -107,6 +109,7 @@ impl Key {
             | Key::EagerTileBulk(k)
             | Key::EagerTileBulkIn(k)
             | Key::EagerTileStream(k)
+            | Key::EagerTileRegs(k)
             | Key::EagerBulkPipe(k)
             | Key::Ring(k)
             | Key::RingTile(k)
@@ -118,7 +121,7 @@ impl Key {
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (fourteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (fifteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -127,7 +130,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 14] {
+fn step_module(k: StepKey) -> [Key; 15] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -137,6 +140,7 @@ fn step_module(k: StepKey) -> [Key; 14] {
         Key::EagerTileBulk(k),
         Key::EagerTileBulkIn(k),
         Key::EagerTileStream(k),
+        Key::EagerTileRegs(k),
         Key::EagerBulkPipe(k),
         Key::Ring(k),
         Key::RingTile(k),
@@ -405,6 +409,9 @@ pub(crate) enum TileMove {
     BulkIn,
     /// As `Bulk`, the token step streamed from shared memory (`kda_eager_tile_stream`).
     Stream,
+    /// A whole head between global memory and registers in 16-byte words, two whole rows per
+    /// warp access (`kda_eager_regs`; 2-byte K-first, K = V = 128).
+    Regs,
     /// Persistent CTAs whose warps load, step and store heads through a ring of bulk
     /// buffers (`kda_eager_bulk_pipe`; not one item per CTA).
     Pipe,
@@ -423,6 +430,7 @@ pub(crate) fn eager_tile_kernel(
         TileMove::Bulk => Key::EagerTileBulk(key),
         TileMove::BulkIn => Key::EagerTileBulkIn(key),
         TileMove::Stream => Key::EagerTileStream(key),
+        TileMove::Regs => Key::EagerTileRegs(key),
         TileMove::Pipe => Key::EagerBulkPipe(key),
     };
     get(ctx, key)
@@ -514,6 +522,7 @@ mod tests {
                 "kda_eager_tile_bulk",
                 "kda_eager_tile_bulk_in",
                 "kda_eager_tile_stream",
+                "kda_eager_regs",
                 "kda_eager_bulk_pipe",
                 "kda_ring",
                 "kda_ring_tile",
