@@ -1591,9 +1591,10 @@ __device__ __forceinline__ void token_step_regs(const uint4 (&w)[RW], ST* head, 
     if constexpr (REGS_OK) {
         __shared__ __align__(16) float hand[8 * 128], part[8 * V], us[V];
         const RegsLane l = regs_lane();
-        float kv[8], dv[8];
-        regs_rows(k + l.row0, kv);
-        regs_rows(d + l.row0, dv);
+        // (the rows' k, d and q read from shared memory where used: held, they took 24 registers)
+        k += l.row0;
+        d += l.row0;
+        q += l.row0;
         // 1) k S down the lane group's rows: the first half from 0, the second from its sums
         float acc[8];
 #pragma unroll
@@ -1602,7 +1603,7 @@ __device__ __forceinline__ void token_step_regs(const uint4 (&w)[RW], ST* head, 
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
 #pragma unroll
-                for (int c = 0; c < 8; ++c) acc[c] = fmaf(kv[i], regs_elem(w[i], c) * dv[i], acc[c]);
+                for (int c = 0; c < 8; ++c) acc[c] = fmaf(k[i], regs_elem(w[i], c) * d[i], acc[c]);
             }
         };
         if (l.hs == 0) {
@@ -1625,9 +1626,8 @@ __device__ __forceinline__ void token_step_regs(const uint4 (&w)[RW], ST* head, 
         }
         __syncthreads();
         // 2) the rank-1 update, stored, and q S down the rows as in 1)
-        float u[8], qv[8], o[8];
+        float u[8], o[8];
         regs_rows(us + l.col0, u);
-        regs_rows(q + l.row0, qv);
 #pragma unroll
         for (int c = 0; c < 8; ++c) o[c] = 0.0f;
         const auto update = [&]() {
@@ -1636,8 +1636,8 @@ __device__ __forceinline__ void token_step_regs(const uint4 (&w)[RW], ST* head, 
                 float x[8];
 #pragma unroll
                 for (int c = 0; c < 8; ++c) {
-                    x[c] = fmaf(kv[i], u[c], regs_elem(w[i], c) * dv[i]);
-                    o[c] = fmaf(qv[i], x[c], o[c]);
+                    x[c] = fmaf(k[i], u[c], regs_elem(w[i], c) * d[i]);
+                    o[c] = fmaf(q[i], x[c], o[c]);
                 }
                 const int r = l.row0 + i;
                 kda_u32 y[4];
@@ -2106,7 +2106,7 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
 // CTAs of kda_eager_regs per SM its registers are built for.
-#define KDA_EAGER_REGS_CTAS 2
+#define KDA_EAGER_REGS_CTAS 3
 
 // kda_eager_tile with the whole head in registers as 16-byte words, whole rows per warp access
 // (token_step_regs; 2-byte K-first pools with K = V = 128 only, the host's plan); same bits.
