@@ -28,13 +28,15 @@ pub enum EagerKernel {
     StreamTile,
     /// `kda_eager_regs`: one whole head per CTA of 8 warps in registers as 16-byte words, each
     /// warp access two whole rows (as a copy kernel moves them); same bits. 2-byte K-first
-    /// pools with K = V = 128 only; elsewhere `StreamTile` runs instead.
+    /// pools with K = V = 128 only; elsewhere `StreamTile` runs instead. The default for those
+    /// pools at 1536-8191 value heads on devices with bulk copies.
     RegsTile,
     /// `kda_eager_bulk_pipe`: persistent CTAs over whole heads, one warp loading the next
     /// heads' tiles and inputs by bulk copies into a ring of shared-memory buffers, three groups
     /// of eight warps taking the heads in turn with `StreamTile`'s token step, and one warp
     /// storing the stepped tiles by bulk copies; same bits. The default for 2-byte K-first
-    /// calls of 384-1919 value heads on devices with bulk copies. Where it does not fit (no bulk
+    /// calls of 384-2271 value heads (384-1535 where K = V = 128, then `RegsTile`) on devices
+    /// with bulk copies. Where it does not fit (no bulk
     /// copies, heads wider than one CTA's columns, or too few buffers in shared memory)
     /// `StreamTile` runs instead.
     BulkPipe,

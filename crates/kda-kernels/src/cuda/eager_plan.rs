@@ -145,7 +145,8 @@ const BULK_IN_V_FIRST_FROM: usize = 192;
 /// session): 0.5-5% faster from 1920 heads (the more heads, the more), mostly slower at
 /// 384-1536 (up to 18%) and 1.7x slower at N = 1. fp32 and V-first pools were 2-22% slower
 /// with it at every size from N = 16. Below 2272 heads `kda_eager_bulk_pipe` runs instead
-/// ([`PIPE_2_BYTE_K_FIRST`]).
+/// ([`PIPE_2_BYTE_K_FIRST`]); pools of K = V = 128 take `kda_eager_regs` up to 8191 heads
+/// ([`REGS_2_BYTE_K_FIRST`]).
 const STREAM_2_BYTE_K_FIRST_FROM: usize = 2272;
 
 /// CTAs of `kda_eager_tile_stream` per SM at most: where more would fit (2-byte K-first tiles
@@ -229,7 +230,8 @@ fn pipe_buffers(e: &EagerShape, cw: usize) -> Option<usize> {
 /// (forty-fourth session, H 32 at 1920-2560 heads in steps of 32, fp16 and bf16) it stays
 /// 0.4-2.8% faster up to 2176 heads (within 0.2% at 2208, 0.7% at 2240) and is slower on
 /// average at 2272-2528 (fp16 0.1%, bf16 0.8%; per size -0.5..+0.9% and -0.2..+2.1%), at H 12
-/// from 2280 heads by 0.99% (fp16) and 0.68% (bf16).
+/// from 2280 heads by 0.99% (fp16) and 0.68% (bf16). Pools of K = V = 128 take
+/// `kda_eager_regs` from 1536 heads instead ([`REGS_2_BYTE_K_FIRST`]).
 const PIPE_2_BYTE_K_FIRST: std::ops::Range<usize> = 384..STREAM_2_BYTE_K_FIRST_FROM;
 
 /// Whether `kda_eager_regs` takes the shape: 2-byte K-first pools with K = V = 128 (its lane
@@ -238,12 +240,23 @@ fn regs_fits(e: &EagerShape) -> bool {
     e.state_size == 2 && !e.v_first && e.k == 128 && e.v == 128
 }
 
-/// How the plan's own choice moves a tile kernel's tile by bulk copies at this shape, if it does.
+/// Value heads of a call for which a 2-byte K-first pool of K = V = 128 decodes with
+/// `kda_eager_regs` (a whole head per CTA in registers, 3 CTAs per SM) instead of the bulk
+/// pipe or the stream kernel. H200 (docs/performance.md, forty-seventh session, fp16 and bf16,
+/// best of two rounds): 2.2-5.1% faster than the default at 1536-4096 heads (H 12 N 256: 55.0
+/// against 56.9 us), 0.1-2.0% at 4608-7680, level at 8192 (0.2% slower), 1-7% slower than the
+/// bulk pipe at 768-1440 heads. (On devices with bulk copies only, where it was measured.)
+const REGS_2_BYTE_K_FIRST: std::ops::Range<usize> = 1536..8192;
+
+/// How the plan's own choice moves a tile kernel's tile by bulk copies (or, for
+/// [`REGS_2_BYTE_K_FIRST`], in registers) at this shape, if it does.
 fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     if !e.bulk {
         return None;
     }
-    if e.state_size == 2 && !e.v_first && e.heads >= STREAM_2_BYTE_K_FIRST_FROM {
+    if regs_fits(e) && REGS_2_BYTE_K_FIRST.contains(&e.heads) {
+        Some(TileMove::Regs)
+    } else if e.state_size == 2 && !e.v_first && e.heads >= STREAM_2_BYTE_K_FIRST_FROM {
         Some(TileMove::Stream)
     } else if e.state_size == 2 && !e.v_first && PIPE_2_BYTE_K_FIRST.contains(&e.heads) {
         Some(TileMove::Pipe)
@@ -539,13 +552,24 @@ mod tests {
         }
         assert_ne!(mv(&with_bulk(4, 511, false)), Some(TileMove::Bulk));
         assert_ne!(mv(&with_bulk(4, 384, false)), Some(TileMove::BulkIn));
-        // 2-byte K-first pools at 384-2271 heads: the bulk pipe, six buffers of whole heads
-        for heads in [384, 768, 1920, 2271] {
-            let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
+        // 2-byte K-first pools at 384-2271 heads (K = V = 128: 384-1535): the bulk pipe, six
+        // buffers of whole heads
+        let k64 = |heads| EagerShape {
+            k: 64,
+            v: 64,
+            ..with_bulk(2, heads, false)
+        };
+        for e in [384, 768, 1535]
+            .map(|h| with_bulk(2, h, false))
+            .into_iter()
+            .chain([k64(1920), k64(2271)])
+        {
+            let (heads, p) = (e.heads, eager_plan(&e).expect("plan"));
             assert_eq!(
                 (p.tile, p.warps, p.stages),
-                (Some(TileMove::Pipe), 8, 6),
-                "{heads} heads"
+                (Some(TileMove::Pipe), if e.k == 64 { 2 } else { 8 }, 6),
+                "{heads} heads, K = {}",
+                e.k
             );
         }
         assert_ne!(mv(&with_bulk(2, 383, false)), Some(TileMove::Pipe));
@@ -641,22 +665,37 @@ mod tests {
             bulk: true,
             ..shape(size, heads, v_first)
         };
-        // by default: 2-byte K-first pools from 2272 heads on a device with bulk copies, whole
-        // heads, the slot read once
-        for heads in [2272, 2560, 3072, 8192] {
-            let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
+        // by default: 2-byte K-first pools from 2272 heads on a device with bulk copies (K = V
+        // = 128: from 8192, below that the register kernel), whole heads, the slot read once
+        let k64 = |heads| EagerShape {
+            k: 64,
+            v: 64,
+            ..with_bulk(2, heads, false)
+        };
+        for e in [8192, 16384]
+            .map(|h| with_bulk(2, h, false))
+            .into_iter()
+            .chain([k64(2272), k64(3072)])
+        {
+            let (heads, p) = (e.heads, eager_plan(&e).expect("plan"));
             assert_eq!(
                 (p.tile, p.warps, p.vblocks, p.slot_once),
-                (Some(TileMove::Stream), 8, 1, true),
-                "{heads} heads"
+                (
+                    Some(TileMove::Stream),
+                    if e.k == 64 { 2 } else { 8 },
+                    1,
+                    true
+                ),
+                "{heads} heads, K = {}",
+                e.k
             );
-            assert_eq!(p.smem, (128 * 128 + 8 * 16) * 2);
+            assert_eq!(p.smem, bulk_tile_bytes(e.k, e.v, false, 2));
         }
         // not below, not for fp32 or V-first pools, not without bulk copies, not where another
         // kernel or 4-warp items are asked for
         for (size, v_first) in [(2, false), (2, true), (4, false), (4, true)] {
             for heads in [12, 96, 384, 768, 1536, 2048, 2271, 3072, 8192] {
-                if size == 2 && !v_first && heads >= 2272 {
+                if size == 2 && !v_first && heads >= 8192 {
                     continue;
                 }
                 let p = eager_plan(&with_bulk(size, heads, v_first)).expect("plan");
@@ -754,6 +793,47 @@ mod tests {
             },
         ] {
             assert_eq!(stream(e), Some(TileMove::Stream));
+        }
+    }
+
+    #[test]
+    fn the_register_head_kernel_is_the_default_for_2_byte_k_first_heads_of_128_at_1536_to_8191() {
+        let with_bulk = |size, heads, v_first| EagerShape {
+            bulk: true,
+            ..shape(size, heads, v_first)
+        };
+        for heads in [1536, 2048, 3072, 8191] {
+            let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
+            assert_eq!(
+                (p.tile, p.warps, p.vblocks, p.smem, p.slot_once),
+                (Some(TileMove::Regs), 8, 1, 0, true),
+                "{heads} heads"
+            );
+        }
+        let mv = |e: EagerShape| eager_plan(&e).expect("plan").tile;
+        assert_eq!(mv(with_bulk(2, 1535, false)), Some(TileMove::Pipe));
+        assert_eq!(mv(with_bulk(2, 8192, false)), Some(TileMove::Stream));
+        // not without bulk copies (where it was not measured), not for fp32 or V-first pools,
+        // other head sizes, or where 4-warp items or another kernel are asked for
+        for e in [
+            shape(2, 3072, false),
+            with_bulk(4, 3072, false),
+            with_bulk(2, 3072, true),
+            EagerShape {
+                k: 64,
+                v: 64,
+                ..with_bulk(2, 3072, false)
+            },
+            EagerShape {
+                fixed_warps: Some(4),
+                ..with_bulk(2, 3072, false)
+            },
+            EagerShape {
+                kernel: Some(EagerKernel::StreamTile),
+                ..with_bulk(2, 3072, false)
+            },
+        ] {
+            assert_ne!(mv(e), Some(TileMove::Regs));
         }
     }
 
