@@ -243,7 +243,7 @@ fn regs_fits(e: &EagerShape) -> bool {
 /// Value heads of a call for which a 2-byte K-first pool of K = V = 128 decodes with
 /// `kda_eager_regs` (a whole head per CTA in registers, 3 CTAs per SM) instead of the bulk
 /// pipe or the stream kernel. H200 (docs/performance.md, forty-seventh session, fp16 and bf16,
-/// best of two rounds): 2.2-5.1% faster than the default at 1536-4096 heads (H 12 N 256: 55.0
+/// best of two rounds): 2.1-5.2% faster than the default at 1536-4096 heads (H 12 N 256: 55.0
 /// against 56.9 us), 0.1-2.0% at 4608-7680, level at 8192 (0.2% slower), 1-7% slower than the
 /// bulk pipe at 768-1440 heads. (On devices with bulk copies only, where it was measured.)
 const REGS_2_BYTE_K_FIRST: std::ops::Range<usize> = 1536..8192;
