@@ -234,10 +234,10 @@ fn pipe_buffers(e: &EagerShape, cw: usize) -> Option<usize> {
 /// `kda_eager_regs` from 1536 heads instead ([`REGS_2_BYTE_K_FIRST`]).
 const PIPE_2_BYTE_K_FIRST: std::ops::Range<usize> = 384..STREAM_2_BYTE_K_FIRST_FROM;
 
-/// Whether `kda_eager_regs` takes the shape: K-first pools with K = V = 128 (its lane mapping,
-/// `REGS_OK` in `kernels/kda_decode.cu`), whole heads per CTA (8 warps).
+/// Whether `kda_eager_regs` takes the shape: 2-byte K-first pools with K = V = 128 (its lane
+/// mapping, `REGS_OK` in `kernels/kda_decode.cu`), whole heads per CTA (8 warps).
 fn regs_fits(e: &EagerShape) -> bool {
-    !e.v_first && e.k == 128 && e.v == 128
+    e.state_size == 2 && !e.v_first && e.k == 128 && e.v == 128
 }
 
 /// Value heads of a call for which a 2-byte K-first pool of K = V = 128 decodes with
@@ -254,7 +254,7 @@ fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     if !e.bulk {
         return None;
     }
-    if e.state_size == 2 && regs_fits(e) && REGS_2_BYTE_K_FIRST.contains(&e.heads) {
+    if regs_fits(e) && REGS_2_BYTE_K_FIRST.contains(&e.heads) {
         Some(TileMove::Regs)
     } else if e.state_size == 2 && !e.v_first && e.heads >= STREAM_2_BYTE_K_FIRST_FROM {
         Some(TileMove::Stream)
@@ -838,7 +838,7 @@ mod tests {
     }
 
     #[test]
-    fn the_register_head_kernel_takes_whole_k_first_heads_of_128_only() {
+    fn the_register_head_kernel_takes_whole_2_byte_k_first_heads_of_128_only() {
         let regs = |e: EagerShape| {
             eager_plan(&EagerShape {
                 kernel: Some(EagerKernel::RegsTile),
@@ -846,14 +846,14 @@ mod tests {
             })
             .expect("plan")
         };
-        for (size, heads) in [(2, 12), (2, 768), (2, 3072), (4, 768)] {
-            let p = regs(shape(size, heads, false));
-            assert_eq!(p.tile, Some(TileMove::Regs), "{size}-byte, {heads} heads");
+        for heads in [12, 768, 3072] {
+            let p = regs(shape(2, heads, false));
+            assert_eq!(p.tile, Some(TileMove::Regs), "{heads} heads");
             assert_eq!((p.warps, p.vblocks, p.smem), (8, 1, 0), "{heads} heads");
         }
-        // V-first pools, other head sizes or fewer warps: the stream kernel instead
+        // fp32 or V-first pools, other head sizes or fewer warps: the stream kernel instead
         for e in [
-            shape(4, 768, true),
+            shape(4, 768, false),
             shape(2, 768, true),
             EagerShape {
                 k: 64,
