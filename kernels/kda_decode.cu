@@ -2105,7 +2105,8 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 // fit 3 times) and 2-byte V-first pools (with fewer than 80 registers they spilled).
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
-// CTAs of kda_eager_regs per SM its registers are built for.
+// CTAs of kda_eager_regs per SM its registers are built for (80 registers, 8-16 bytes spilled;
+// 4 per SM, 64 registers, spilled 520-812 bytes, forty-seventh session).
 #define KDA_EAGER_REGS_CTAS 3
 
 // kda_eager_tile with the whole head in registers as 16-byte words, whole rows per warp access
