@@ -1580,6 +1580,28 @@ __device__ __forceinline__ float regs_tree(const float* part, int c) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
+// Runs f, which adds the thread's rows into acc, down a lane group's 16 rows: the first half
+// from acc as given, the second from the first half's sums (handed over through `hand`), which
+// then puts the group's sums into part (part[j * V + c]). Ends at a barrier, after which part
+// holds every group's sums.
+template <typename F>
+__device__ __forceinline__ void regs_down_rows(const RegsLane& l, float* hand, float* part, float (&acc)[8], F&& f) {
+    if (l.hs == 0) {
+        f();
+#pragma unroll
+        for (int c = 0; c < 8; ++c) hand[c * 128 + l.ta] = acc[c];
+    }
+    __syncthreads();
+    if (l.hs == 1) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = hand[c * 128 + l.ta];
+        f();
+        *reinterpret_cast<float4*>(part + l.j * V + l.col0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        *reinterpret_cast<float4*>(part + l.j * V + l.col0 + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    __syncthreads();
+}
+
 // One eager token step on the words of kda_eager_regs, its updated head stored through the
 // element type (nearest even, or stochastic with base and the head's offset elem0) and its
 // outputs into op (V values). k, d, q: the activated key, decay and query rows; v: the values;
@@ -1606,20 +1628,7 @@ __device__ __forceinline__ void token_step_regs(const uint4 (&w)[RW], ST* head, 
                 for (int c = 0; c < 8; ++c) acc[c] = fmaf(k[i], regs_elem(w[i], c) * d[i], acc[c]);
             }
         };
-        if (l.hs == 0) {
-            sums();
-#pragma unroll
-            for (int c = 0; c < 8; ++c) hand[c * 128 + l.ta] = acc[c];
-        }
-        __syncthreads();
-        if (l.hs == 1) {
-#pragma unroll
-            for (int c = 0; c < 8; ++c) acc[c] = hand[c * 128 + l.ta];
-            sums();
-            *reinterpret_cast<float4*>(part + l.j * V + l.col0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-            *reinterpret_cast<float4*>(part + l.j * V + l.col0 + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
-        }
-        __syncthreads();
+        regs_down_rows(l, hand, part, acc, sums);
         if (threadIdx.x < (unsigned)V) {
             const int c = (int)threadIdx.x;
             us[c] = beta * (v[c] - regs_tree(part, c));
@@ -1655,20 +1664,7 @@ __device__ __forceinline__ void token_step_regs(const uint4 (&w)[RW], ST* head, 
                 *reinterpret_cast<uint4*>(head + (size_t)r * V + l.col0) = make_uint4(y[0], y[1], y[2], y[3]);
             }
         };
-        if (l.hs == 0) {
-            update();
-#pragma unroll
-            for (int c = 0; c < 8; ++c) hand[c * 128 + l.ta] = o[c];
-        }
-        __syncthreads();
-        if (l.hs == 1) {
-#pragma unroll
-            for (int c = 0; c < 8; ++c) o[c] = hand[c * 128 + l.ta];
-            update();
-            *reinterpret_cast<float4*>(part + l.j * V + l.col0) = make_float4(o[0], o[1], o[2], o[3]);
-            *reinterpret_cast<float4*>(part + l.j * V + l.col0 + 4) = make_float4(o[4], o[5], o[6], o[7]);
-        }
-        __syncthreads();
+        regs_down_rows(l, hand, part, o, update);
         if (threadIdx.x < (unsigned)V) op[threadIdx.x] = KdaElem<IT>::from_f32(regs_tree(part, (int)threadIdx.x));
     }
 }

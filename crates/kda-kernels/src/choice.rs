@@ -36,9 +36,8 @@ pub enum EagerKernel {
     /// of eight warps taking the heads in turn with `StreamTile`'s token step, and one warp
     /// storing the stepped tiles by bulk copies; same bits. The default for 2-byte K-first
     /// calls of 384-2271 value heads (384-1535 where K = V = 128, then `RegsTile`) on devices
-    /// with bulk copies. Where it does not fit (no bulk
-    /// copies, heads wider than one CTA's columns, or too few buffers in shared memory)
-    /// `StreamTile` runs instead.
+    /// with bulk copies. Where it does not fit (no bulk copies, heads wider than one CTA's
+    /// columns, or too few buffers in shared memory) `StreamTile` runs instead.
     BulkPipe,
     /// The general kernel of every operation, one item per CTA (`kda_step`).
     Step,
