@@ -2111,6 +2111,137 @@ extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_REGS_CTAS) kda_eager
     if constexpr (REGS_OK) eager_tile_run<MOVE_REGS>(p);
 }
 
+// kda_eager_regs_loop: kda_eager_regs for persistent CTAs (the host's grid: fewer CTAs than
+// heads, as many heads each but the last). A CTA takes heads blockIdx.x + t gridDim.x in turn
+// and issues the loads of head t + 1's words (a second set of registers) and inputs before it
+// activates and steps head t, so its next head is in flight through its own step, where
+// kda_eager_regs has only the SM's other CTAs loading. Same step, so the same bits.
+// The raw inputs of one head's token as kda_eager_tile's early path loads them: warp 0 the key
+// row, warp 1 the query's, the other threads (gate threads) the gates and their biases, the
+// values, beta and a_log.
+struct RegsInputs {
+    kda_u32 x[KL], vr[VPT], braw, alog;
+};
+
+// Issues the loads of item `item`'s inputs (whole heads: item = sequence x value heads + head).
+__device__ __forceinline__ void regs_inputs_load(const KdaParams& p, kda_u32 item, RegsInputs& in) {
+    const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
+    const size_t h = kda_div(hv, p.div_grp);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tid = (int)threadIdx.x - 64, dn = (int)blockDim.x - 64;
+    if (warp == 0 || warp == 1) {
+        const IT* src = reinterpret_cast<const IT*>(warp == 0 ? p.k : p.q) + ((size_t)n * p.h + h) * K;
+#pragma unroll
+        for (int i = 0; i < KL; ++i) {
+            const int kk = lane + 32 * i;
+            in.x[i] = kk < K ? input_bits(src + kk) : 0u;
+        }
+    } else {
+        const IT* gp = reinterpret_cast<const IT*>(p.g) + ((size_t)n * p.hv + hv) * K;
+        const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
+        const IT* vp = reinterpret_cast<const IT*>(p.v) + ((size_t)n * p.hv + hv) * V;
+#pragma unroll
+        for (int j = 0; j < DKE; ++j) {
+            const int kk = tid + j * dn;
+            in.x[j] = kk < K ? input_bits(gp + kk) : 0u;
+            in.x[DKE + j] = kk < K && p.gate_mode != 0u ? __float_as_uint(bias[kk]) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int c = tid + j * dn;
+            in.vr[j] = c < V ? input_bits(vp + c) : 0u;
+        }
+        in.braw = tid == 0 ? input_bits(reinterpret_cast<const IT*>(p.beta) + (size_t)n * p.hv + hv) : 0u;
+        in.alog = p.gate_mode != 0u ? reinterpret_cast<const kda_u32*>(p.a_log)[hv] : 0u;
+    }
+}
+
+// The activations of loaded inputs into ak, aq, ad, av and abeta (kda_eager_tile's early path).
+__device__ __forceinline__ void regs_inputs_finish(const KdaParams& p, const RegsInputs& in, float* ak, float* aq,
+                                                   float* ad, float* av, float* abeta) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tid = (int)threadIdx.x - 64, dn = (int)blockDim.x - 64;
+    if (warp == 0 || warp == 1) {
+        float xf[KL];
+#pragma unroll
+        for (int i = 0; i < KL; ++i) xf[i] = input_from_bits(in.x[i]);
+        if (warp == 0) {
+            act_finish(xf, ak, p.l2norm != 0u, false, p.scale, lane);
+        } else {
+            act_finish(xf, aq, p.l2norm != 0u, true, p.scale, lane);
+        }
+    } else {
+        const float a_exp = p.gate_mode ? expf(__uint_as_float(in.alog)) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < DKE; ++j) {
+            const int kk = tid + j * dn;
+            const float b = __uint_as_float(in.x[DKE + j]);
+            if (kk < K) ad[kk] = decay_at(input_from_bits(in.x[j]), &b, p, a_exp);
+        }
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int c = tid + j * dn;
+            if (c < V) av[c] = input_from_bits(in.vr[j]);
+        }
+        if (tid == 0) *abeta = act_beta(input_from_bits(in.braw), p);
+    }
+}
+
+template <bool SR> __device__ __forceinline__ void regs_loop_run(const KdaParams& p) {
+    __shared__ __align__(16) float ak[KS], ad[KS], aq[KS], av[VS];
+    __shared__ float abeta;
+    const kda_u32 total = p.n_seqs * p.hv, step = gridDim.x;
+    const kda_u32* slots = reinterpret_cast<const kda_u32*>(p.slots);
+    const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
+    kda_u32 item = blockIdx.x;
+    if (item >= total) return;
+    kda_u32 slot = slots[eager_seq(p, item)];
+    kda_u32 nslot = item + step < total ? slots[eager_seq(p, item + step)] : 0u;
+    uint4 wa[RW], wb[RW];
+    RegsInputs in;
+    regs_inputs_load(p, item, in);
+    {
+        const kda_u32 n = eager_seq(p, item);
+        regs_load(state_head(p, slot, item - n * p.hv), wa);
+    }
+    // one head: the next one's loads issued, this one stepped; false after the CTA's last
+    const auto one = [&](const uint4(&cur)[RW], uint4(&nxt)[RW]) -> bool {
+        const kda_u32 next = item + step;
+        const bool more = next < total;
+        if (more) {
+            const kda_u32 nn = eager_seq(p, next);
+            regs_load(state_head(p, nslot, next - nn * p.hv), nxt);
+        }
+        const kda_u32 nnslot = next + step < total ? slots[eager_seq(p, next + step)] : 0u;
+        regs_inputs_finish(p, in, ak, aq, ad, av, &abeta);
+        if (more) regs_inputs_load(p, next, in);
+        __syncthreads();
+        const kda_u32 n = eager_seq(p, item), hv = item - n * p.hv;
+        IT* const op = reinterpret_cast<IT*>(p.out) + (size_t)item * V;
+        token_step_regs<SR>(cur, state_head(p, slot, hv), ak, ad, aq, av, abeta, op,
+                            SR ? kda_sr_base(seed, p.layer, slot, p.epoch) : 0u, tile_elem0<false>(hv, 0));
+        item = next;
+        slot = nslot;
+        nslot = nnslot;
+        return more;
+    };
+    while (one(wa, wb) && one(wb, wa)) {
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) kda_eager_regs_loop(const KdaParams p) {
+    if constexpr (REGS_OK) {
+        KDA_DEPENDENT_LAUNCH();
+        if (blockIdx.x == 0 && threadIdx.x == 0 && p.n_seqs * p.hv > 0)
+            atomicOr(reinterpret_cast<kda_u32*>(p.err) + 2, 1u);
+        if (p.sr) {
+            regs_loop_run<true>(p);
+        } else {
+            regs_loop_run<false>(p);
+        }
+    }
+}
+
 // kda_eager_tile_bulk with its token step streamed from the bulk tile (token_step_stream), so
 // a thread holds no tile in registers and more CTAs share an SM; same bits.
 extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_STREAM_CTAS) kda_eager_tile_stream(const KdaParams p) {
