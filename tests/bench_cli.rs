@@ -44,7 +44,7 @@ fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
     assert_usage_error(&["--forced", "bulk,fast"], "--forced: 'fast'");
     assert_usage_error(
         &["--forced", "some"],
-        "expected all, none or a list of piped, tile, staged, bulk, bulkin, stream, regs, regsloop, pipe, blocked, mma, delta, delta-staged, step",
+        "expected all, none or a list of piped, tile, staged, bulk, bulkin, stream, regs, pipe, blocked, mma, delta, delta-staged, step",
     );
 }
 

@@ -42,7 +42,7 @@ const RING_ROWS: [(&str, RingKernel); 6] = [
 
 /// The eager kernels each eager decode case is also timed with, forced, and their rows'
 /// suffixes (`decode-piped`, ...).
-const EAGER_ROWS: [(&str, EagerKernel); 10] = [
+const EAGER_ROWS: [(&str, EagerKernel); 9] = [
     ("piped", EagerKernel::Pipelined),
     ("tile", EagerKernel::Tile),
     ("staged", EagerKernel::StagedTile),
@@ -50,7 +50,6 @@ const EAGER_ROWS: [(&str, EagerKernel); 10] = [
     ("bulkin", EagerKernel::BulkInTile),
     ("stream", EagerKernel::StreamTile),
     ("regs", EagerKernel::RegsTile),
-    ("regsloop", EagerKernel::RegsLoop),
     ("pipe", EagerKernel::BulkPipe),
     ("blocked", EagerKernel::Step),
 ];

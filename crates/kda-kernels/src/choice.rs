@@ -31,10 +31,6 @@ pub enum EagerKernel {
     /// pools with K = V = 128 only; elsewhere `StreamTile` runs instead. The default for those
     /// pools at 1536-8191 value heads on devices with bulk copies.
     RegsTile,
-    /// `kda_eager_regs_loop`: `RegsTile`'s step in persistent CTAs (2 per SM, the heads shared
-    /// out evenly), each issuing its next head's loads into a second set of registers before it
-    /// steps the current one; same bits. Where `RegsTile` does not fit, `StreamTile` runs instead.
-    RegsLoop,
     /// `kda_eager_bulk_pipe`: persistent CTAs over whole heads, one warp loading the next
     /// heads' tiles and inputs by bulk copies into a ring of shared-memory buffers, three groups
     /// of eight warps taking the heads in turn with `StreamTile`'s token step, and one warp

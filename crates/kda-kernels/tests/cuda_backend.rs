@@ -351,9 +351,8 @@ fn cuda_decode_matches_the_cpu_backend_for_every_pool_dtype_and_layout() {
 
 /// Every eager kernel but the general one: the pipelined kernel, the tile kernels
 /// (`kda_eager_tile`, `kda_eager_tile_staged`, `kda_eager_tile_bulk`, `kda_eager_tile_bulk_in`,
-/// `kda_eager_tile_stream`, `kda_eager_regs`), `kda_eager_regs_loop` and the bulk pipe
-/// (`kda_eager_bulk_pipe`).
-const FAST_EAGER_KERNELS: [EagerKernel; 9] = [
+/// `kda_eager_tile_stream`, `kda_eager_regs`) and the bulk pipe (`kda_eager_bulk_pipe`).
+const FAST_EAGER_KERNELS: [EagerKernel; 8] = [
     EagerKernel::Pipelined,
     EagerKernel::Tile,
     EagerKernel::StagedTile,
@@ -361,7 +360,6 @@ const FAST_EAGER_KERNELS: [EagerKernel; 9] = [
     EagerKernel::BulkInTile,
     EagerKernel::StreamTile,
     EagerKernel::RegsTile,
-    EagerKernel::RegsLoop,
     EagerKernel::BulkPipe,
 ];
 
@@ -508,34 +506,6 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
     );
     c.opts.gate = GateMode::LowerBound(-3.0);
     check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 62, &FAST_EAGER_KERNELS);
-}
-
-#[test]
-fn cuda_register_loop_kernel_equals_the_general_kernel_bit_for_bit() {
-    let Some(cu) = cuda() else { return };
-    // kda_eager_regs_loop alone, on 2-byte K-first pools (nearest and stochastic): 151
-    // sequences x 8 value heads (1208 heads; on the H200's 264 resident CTAs 242 of them, 5
-    // heads each but the last, which has 4), slots spread over the pool
-    let slots: Vec<u32> = (0..151u32).map(|i| 2 * i + 1).collect();
-    for (state, rounding) in [
-        (Dtype::Fp16, Rounding::Nearest),
-        (Dtype::Bf16, Rounding::Nearest),
-        (
-            Dtype::Fp16,
-            Rounding::Stochastic {
-                seed: 0x5eed_0000_0000_0049,
-            },
-        ),
-        (
-            Dtype::Bf16,
-            Rounding::Stochastic {
-                seed: 0x5eed_0000_0000_004a,
-            },
-        ),
-    ] {
-        let c = eager_case(state, StateLayout::KFirst, rounding, &slots);
-        check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 48, &[EagerKernel::RegsLoop]);
-    }
 }
 
 #[test]

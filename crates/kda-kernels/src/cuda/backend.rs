@@ -562,18 +562,6 @@ impl CudaBackend {
             }
             (
                 Some(EagerPlan {
-                    tile: Some(TileMove::RegsLoop),
-                    warps,
-                    ..
-                }),
-                _,
-            ) => {
-                let k = eager_tile_kernel(&self.ctx, key, TileMove::RegsLoop)?;
-                let cap = self.persistent_grid(&k, warps * 32, 0)?;
-                (k, 0, Some(even_grid(n * g.hv, cap)))
-            }
-            (
-                Some(EagerPlan {
                     tile: Some(mv),
                     smem,
                     warps,
@@ -737,13 +725,6 @@ impl CudaBackend {
 /// fp32 and fp16 pools), at 768 items level to 4% faster, from 2048 items 1-5% slower
 /// (docs/performance.md, twentieth session).
 const SPEC_DEPENDENT_UPTO: usize = 512;
-
-/// The grid of a persistent kernel over `items` with at most `cap` CTAs resident: as few CTAs
-/// as take the items in the rounds `cap` CTAs need, so every CTA but the last has as many.
-fn even_grid(items: usize, cap: usize) -> usize {
-    let rounds = items.div_ceil(cap.max(1));
-    items.div_ceil(rounds.max(1))
-}
 
 /// Whether a call of `op` launches as a programmatic dependent launch, given the backend's
 /// choice (`CudaBackend::set_dependent_launch`; `None`: decode, and spec_verify calls of at
@@ -973,28 +954,6 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn even_grid_gives_every_cta_but_the_last_as_many_items() {
-        // (items, resident CTAs) -> CTAs: 3072 heads on 264 take 12 rounds, so 256 CTAs of 12
-        for (items, cap, grid) in [
-            (3072, 264, 256),
-            (768, 264, 256),
-            (1208, 264, 242),
-            (100, 264, 100),
-            (0, 264, 0),
-        ] {
-            assert_eq!(even_grid(items, cap), grid, "{items} items, {cap} CTAs");
-            if items > 0 {
-                let per = items.div_ceil(grid);
-                assert!(
-                    per * grid >= items && per * (grid - 1) < items,
-                    "{items} items"
-                );
-                assert!(grid <= cap, "{items} items");
-            }
-        }
-    }
 
     #[test]
     fn dependent_launch_is_for_decode_and_small_ring_spec_calls_on_sm90_unless_chosen() {

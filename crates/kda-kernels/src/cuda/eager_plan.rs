@@ -304,7 +304,6 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
                         | EagerKernel::BulkInTile
                         | EagerKernel::StreamTile
                         | EagerKernel::RegsTile
-                        | EagerKernel::RegsLoop
                 )
             ))
             && !e.v_first =>
@@ -368,7 +367,6 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
             | EagerKernel::BulkInTile
             | EagerKernel::StreamTile
             | EagerKernel::RegsTile
-            | EagerKernel::RegsLoop
             | EagerKernel::BulkPipe,
         ) => true,
         _ if bulk.is_some() => true,
@@ -388,8 +386,6 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
         (Some(EagerKernel::StreamTile), _) => TileMove::Stream,
         (Some(EagerKernel::RegsTile), _) if regs_fits(e) && cw == e.v => TileMove::Regs,
         (Some(EagerKernel::RegsTile), _) => TileMove::Stream,
-        (Some(EagerKernel::RegsLoop), _) if regs_fits(e) && cw == e.v => TileMove::RegsLoop,
-        (Some(EagerKernel::RegsLoop), _) => TileMove::Stream,
         (Some(EagerKernel::BulkPipe), _) if pipe_buffers.is_some() => TileMove::Pipe,
         (Some(EagerKernel::BulkPipe), _) => TileMove::Stream,
         (None, Some(mv)) => mv,
@@ -413,7 +409,7 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
                     pipe_buffers.map_or(0, |b| b * pipe_buffer_bytes(e) + PIPE_ALIGN)
                 }
                 None => stages * stage,
-                Some(TileMove::Direct | TileMove::Regs | TileMove::RegsLoop) => 0,
+                Some(TileMove::Direct | TileMove::Regs) => 0,
                 Some(TileMove::Staged) => r16(e.k * cw * e.state_size),
                 Some(TileMove::Bulk | TileMove::BulkIn | TileMove::Stream) => {
                     bulk_tile_bytes(e.k, cw, e.v_first, e.state_size)

@@ -64,7 +64,6 @@ enum Key {
     EagerTileBulkIn(StepKey),
     EagerTileStream(StepKey),
     EagerTileRegs(StepKey),
-    EagerRegsLoop(StepKey),
     EagerBulkPipe(StepKey),
     Ring(StepKey),
     RingTile(StepKey),
@@ -88,7 +87,6 @@ impl Key {
             Key::EagerTileBulkIn(_) => "kda_eager_tile_bulk_in",
             Key::EagerTileStream(_) => "kda_eager_tile_stream",
             Key::EagerTileRegs(_) => "kda_eager_regs",
-            Key::EagerRegsLoop(_) => "kda_eager_regs_loop",
             Key::EagerBulkPipe(_) => "kda_eager_bulk_pipe",
             Key::Ring(_) => "kda_ring",
             Key::RingTile(_) => "kda_ring_tile",
@@ -112,7 +110,6 @@ impl Key {
             | Key::EagerTileBulkIn(k)
             | Key::EagerTileStream(k)
             | Key::EagerTileRegs(k)
-            | Key::EagerRegsLoop(k)
             | Key::EagerBulkPipe(k)
             | Key::Ring(k)
             | Key::RingTile(k)
@@ -133,7 +130,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 16] {
+fn step_module(k: StepKey) -> [Key; 15] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -144,7 +141,6 @@ fn step_module(k: StepKey) -> [Key; 16] {
         Key::EagerTileBulkIn(k),
         Key::EagerTileStream(k),
         Key::EagerTileRegs(k),
-        Key::EagerRegsLoop(k),
         Key::EagerBulkPipe(k),
         Key::Ring(k),
         Key::RingTile(k),
@@ -416,9 +412,6 @@ pub(crate) enum TileMove {
     /// A whole head between global memory and registers in 16-byte words, two whole rows per
     /// warp access (`kda_eager_regs`; 2-byte K-first, K = V = 128).
     Regs,
-    /// `Regs` for persistent CTAs, each loading its next head into a second set of registers
-    /// while it steps the current one (`kda_eager_regs_loop`; not one item per CTA).
-    RegsLoop,
     /// Persistent CTAs whose warps load, step and store heads through a ring of bulk
     /// buffers (`kda_eager_bulk_pipe`; not one item per CTA).
     Pipe,
@@ -438,7 +431,6 @@ pub(crate) fn eager_tile_kernel(
         TileMove::BulkIn => Key::EagerTileBulkIn(key),
         TileMove::Stream => Key::EagerTileStream(key),
         TileMove::Regs => Key::EagerTileRegs(key),
-        TileMove::RegsLoop => Key::EagerRegsLoop(key),
         TileMove::Pipe => Key::EagerBulkPipe(key),
     };
     get(ctx, key)
