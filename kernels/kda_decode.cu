@@ -1521,54 +1521,46 @@ constexpr int MOVE_STAGED = 1; // in through shared memory by cp.async, out from
 constexpr int MOVE_BULK = 2;   // in and out through shared memory by bulk copies
 constexpr int MOVE_BULK_IN = 3; // in through shared memory by bulk copies, out from registers
 constexpr int MOVE_STREAM = 4;  // as MOVE_BULK, the token step streamed from shared memory
-constexpr int MOVE_REGS = 5;    // global memory <-> registers in 16-byte words, whole rows per warp
+constexpr int MOVE_REGS = 5;    // global memory <-> registers, a whole row per warp access
 
-// kda_eager_regs: a whole head per CTA of 8 warps, held in registers as the copy kernel holds
-// its words: 2-byte K-first pools with K = V = 128 (REGS_OK) only. A head's row is 16 words of
-// 16 bytes; thread (warp w, lane l) holds word l % 16 of the eight rows row0 + i, row0 = 16 j + 8
-// hs, where lane group j = 2 (w % 4) + l / 16 is the lane group lk of the other kernels (rows
-// 16 j .. 16 j + 15) and hs = w / 4 its half: each load or store of a warp moves two whole
-// rows. token_step_regs keeps the other kernels' order of operations: a lane group's sums run
-// down its 16 rows in order (the first half's partial sums handed to the second half through
-// shared memory) and the eight groups' sums are added as reduce_k adds them, so the bits are
-// theirs.
+// kda_eager_regs: a whole head per CTA of 8 warps, held in registers: 2-byte K-first pools with
+// K = V = 128 (REGS_OK) only. Warp j holds rows 16 j .. 16 j + 15, the rows of lane group j of
+// the other kernels, lane l columns 4 l .. 4 l + 3 of each (one 8-byte word), so each load or
+// store of a warp moves a whole 256-byte row. token_step_regs keeps the other kernels' order of
+// operations: a thread's sums run down its 16 rows in order and the eight warps' sums are added
+// as reduce_k adds the lane groups', so the bits are theirs.
 constexpr bool REGS_OK = sizeof(ST) == 2 && !VFIRST && K == 128 && V == 128 && TK == 16 && LK == 8;
-constexpr int RW = REGS_OK ? 8 : 1; // 16-byte words of a thread
-
-struct RegsLane {
-    int row0, col0, hs, j, ta; // first row and column, half, lane group, index among a half's threads
+constexpr int RW = REGS_OK ? 16 : 1; // 8-byte words of a thread: one per row
+// Whether token_step_regs unpacks the words again for its update rather than keep what it
+// unpacked for k S: bf16 pools (regs_opaque).
+template <typename T> struct KdaIsBf16 {
+    static constexpr bool value = false;
 };
-__device__ __forceinline__ RegsLane regs_lane() {
-    const int w = (int)(threadIdx.x >> 5), lane = (int)(threadIdx.x & 31);
-    RegsLane l;
-    l.hs = w >> 2;
-    l.j = 2 * (w & 3) + (lane >> 4);
-    l.col0 = (lane & 15) * 8;
-    l.row0 = 16 * l.j + 8 * l.hs;
-    l.ta = (w & 3) * 32 + lane;
-    return l;
+template <> struct KdaIsBf16<kda_bf16> {
+    static constexpr bool value = true;
+};
+constexpr bool REGS_AFRESH = REGS_OK && KdaIsBf16<ST>::value;
+
+// Makes a word opaque to the compiler (no instruction), so nothing computed from it before is
+// reused after.
+__device__ __forceinline__ void regs_opaque(uint2& w) {
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__)
+    asm volatile("" : "+r"(w.x), "+r"(w.y));
+#endif
 }
 
 // The thread's words of the head (REGS_OK; otherwise nothing).
-__device__ __forceinline__ void regs_load(const ST* head, uint4 (&w)[RW]) {
+__device__ __forceinline__ void regs_load(const ST* head, uint2 (&w)[RW]) {
     if constexpr (REGS_OK) {
-        const RegsLane l = regs_lane();
+        const int row0 = 16 * (int)(threadIdx.x >> 5), col0 = 4 * (int)(threadIdx.x & 31);
 #pragma unroll
-        for (int i = 0; i < RW; ++i)
-            w[i] = *reinterpret_cast<const uint4*>(head + (size_t)(l.row0 + i) * V + l.col0);
+        for (int i = 0; i < RW; ++i) w[i] = *reinterpret_cast<const uint2*>(head + (size_t)(row0 + i) * V + col0);
     }
 }
 
-// Element c (0..7) of a word as f32 (a template, so only 2-byte modules compile it).
-template <typename T = ST> __device__ __forceinline__ float regs_elem(const uint4& w, int c) {
-    const kda_u32 x = c < 2 ? w.x : c < 4 ? w.y : c < 6 ? w.z : w.w;
-    return kda_word_half<T>(x, (c & 1) != 0);
-}
-
-// Eight consecutive f32 of shared memory (16-byte aligned).
-__device__ __forceinline__ void regs_rows(const float* src, float (&x)[8]) {
-    const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+// Element c (0..3) of a word as f32 (a template, so only 2-byte modules compile it).
+template <typename T = ST> __device__ __forceinline__ float regs_elem(const uint2& w, int c) {
+    return kda_word_half<T>(c < 2 ? w.x : w.y, (c & 1) != 0);
 }
 
 // The sum of the eight lane groups' partial sums of column c (part[g * V + c]) in reduce_k's
@@ -1580,91 +1572,70 @@ __device__ __forceinline__ float regs_tree(const float* part, int c) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-// Runs f, which adds the thread's rows into acc, down a lane group's 16 rows: the first half
-// from acc as given, the second from the first half's sums (handed over through `hand`), which
-// then puts the group's sums into part (part[j * V + c]). Ends at a barrier, after which part
-// holds every group's sums.
-template <typename F>
-__device__ __forceinline__ void regs_down_rows(const RegsLane& l, float* hand, float* part, float (&acc)[8], F&& f) {
-    if (l.hs == 0) {
-        f();
-#pragma unroll
-        for (int c = 0; c < 8; ++c) hand[c * 128 + l.ta] = acc[c];
-    }
-    __syncthreads();
-    if (l.hs == 1) {
-#pragma unroll
-        for (int c = 0; c < 8; ++c) acc[c] = hand[c * 128 + l.ta];
-        f();
-        *reinterpret_cast<float4*>(part + l.j * V + l.col0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        *reinterpret_cast<float4*>(part + l.j * V + l.col0 + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
-    }
-    __syncthreads();
-}
-
 // One eager token step on the words of kda_eager_regs, its updated head stored through the
 // element type (nearest even, or stochastic with base and the head's offset elem0) and its
 // outputs into op (V values). k, d, q: the activated key, decay and query rows; v: the values;
 // the same operations in the same order as token_step_stream, so the same bits.
 template <bool SR>
-__device__ __forceinline__ void token_step_regs(const uint4 (&w)[RW], ST* head, const float* k, const float* d,
+__device__ __forceinline__ void token_step_regs(const uint2 (&w)[RW], ST* head, const float* k, const float* d,
                                                 const float* q, const float* v, float beta, IT* op, kda_u32 base,
                                                 kda_u32 elem0) {
     if constexpr (REGS_OK) {
-        __shared__ __align__(16) float hand[8 * 128], part[8 * V], us[V];
-        const RegsLane l = regs_lane();
-        // (the rows' k, d and q read from shared memory where used: held, they took 24 registers)
-        k += l.row0;
-        d += l.row0;
-        q += l.row0;
-        // 1) k S down the lane group's rows: the first half from 0, the second from its sums
-        float acc[8];
+        __shared__ __align__(16) float part[8 * V], us[V];
+        const int j = (int)(threadIdx.x >> 5), row0 = 16 * j, col0 = 4 * (int)(threadIdx.x & 31);
+        // (the rows' k, d and q read from shared memory where used, one broadcast per warp)
+        k += row0;
+        d += row0;
+        q += row0;
+        // 1) k S down the warp's 16 rows, the warps' sums in reduce_k's order
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
-        const auto sums = [&]() {
+        for (int i = 0; i < RW; ++i) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-#pragma unroll
-                for (int c = 0; c < 8; ++c) acc[c] = fmaf(k[i], regs_elem(w[i], c) * d[i], acc[c]);
-            }
-        };
-        regs_down_rows(l, hand, part, acc, sums);
+            for (int c = 0; c < 4; ++c) acc[c] = fmaf(k[i], regs_elem(w[i], c) * d[i], acc[c]);
+        }
+        *reinterpret_cast<float4*>(part + j * V + col0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        __syncthreads();
         if (threadIdx.x < (unsigned)V) {
             const int c = (int)threadIdx.x;
             us[c] = beta * (v[c] - regs_tree(part, c));
         }
         __syncthreads();
-        // 2) the rank-1 update, stored, and q S down the rows as in 1)
-        float u[8], o[8];
-        regs_rows(us + l.col0, u);
+        // 2) the rank-1 update, stored, and q S as in 1) (part is free again: its sums were
+        // read before the barrier above)
+        const float4 u4 = *reinterpret_cast<const float4*>(us + col0);
+        const float u[4] = {u4.x, u4.y, u4.z, u4.w};
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int c = 0; c < 8; ++c) o[c] = 0.0f;
-        const auto update = [&]() {
+        for (int i = 0; i < RW; ++i) {
+            uint2 wi = w[i];
+            // bf16: the word's elements unpacked afresh here, not kept from 1) (kept, 48 bytes
+            // spilled at 80 registers, 4% slower; fp16 was 1% slower unpacked afresh,
+            // forty-eighth session)
+            if constexpr (REGS_AFRESH) regs_opaque(wi);
+            float x[4];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float x[8];
-#pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    x[c] = fmaf(k[i], u[c], regs_elem(w[i], c) * d[i]);
-                    o[c] = fmaf(q[i], x[c], o[c]);
-                }
-                const int r = l.row0 + i;
-                kda_u32 y[4];
-                if constexpr (SR) {
-#pragma unroll
-                    for (int m = 0; m < 4; ++m) {
-                        const kda_u32 e = elem0 + (kda_u32)(r * V + l.col0 + 2 * m);
-                        y[m] = (kda_u32)kda_bits(round_elem<true>(x[2 * m], base, e)) |
-                               ((kda_u32)kda_bits(round_elem<true>(x[2 * m + 1], base, e + 1u)) << 16);
-                    }
-                } else {
-#pragma unroll
-                    for (int m = 0; m < 4; ++m) y[m] = kda_pack2_rn<ST>(x[2 * m], x[2 * m + 1]);
-                }
-                *reinterpret_cast<uint4*>(head + (size_t)r * V + l.col0) = make_uint4(y[0], y[1], y[2], y[3]);
+            for (int c = 0; c < 4; ++c) {
+                x[c] = fmaf(k[i], u[c], regs_elem(wi, c) * d[i]);
+                o[c] = fmaf(q[i], x[c], o[c]);
             }
-        };
-        regs_down_rows(l, hand, part, o, update);
+            const int r = row0 + i;
+            kda_u32 y[2];
+            if constexpr (SR) {
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    const kda_u32 e = elem0 + (kda_u32)(r * V + col0 + 2 * m);
+                    y[m] = (kda_u32)kda_bits(round_elem<true>(x[2 * m], base, e)) |
+                           ((kda_u32)kda_bits(round_elem<true>(x[2 * m + 1], base, e + 1u)) << 16);
+                }
+            } else {
+#pragma unroll
+                for (int m = 0; m < 2; ++m) y[m] = kda_pack2_rn<ST>(x[2 * m], x[2 * m + 1]);
+            }
+            *reinterpret_cast<uint2*>(head + (size_t)r * V + col0) = make_uint2(y[0], y[1]);
+        }
+        *reinterpret_cast<float4*>(part + j * V + col0) = make_float4(o[0], o[1], o[2], o[3]);
+        __syncthreads();
         if (threadIdx.x < (unsigned)V) op[threadIdx.x] = KdaElem<IT>::from_f32(regs_tree(part, (int)threadIdx.x));
     }
 }
@@ -1951,7 +1922,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
     float s[TK][TV];
     kda_u32 w[TW];
-    uint4 wr[RW];
+    uint2 wr[RW];
     ST* const bt = reinterpret_cast<ST*>(eager_dsm); // the bulk tile
     if constexpr (REGS) {
         regs_load(head, wr);
@@ -2101,11 +2072,12 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 // fit 3 times) and 2-byte V-first pools (with fewer than 80 registers they spilled).
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
-// CTAs of kda_eager_regs per SM its registers are built for (80 registers, 8-16 bytes spilled;
-// 4 per SM, 64 registers, spilled 520-812 bytes, forty-seventh session).
+// CTAs of kda_eager_regs per SM its registers are built for (80 registers; the nearest path
+// spills none, the stochastic one 44 bytes; at 4, 64 registers, the nearest path spilled 88-92
+// bytes).
 #define KDA_EAGER_REGS_CTAS 3
 
-// kda_eager_tile with the whole head in registers as 16-byte words, whole rows per warp access
+// kda_eager_tile with the whole head in registers, a whole row per warp access
 // (token_step_regs; 2-byte K-first pools with K = V = 128 only, the host's plan); same bits.
 extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_REGS_CTAS) kda_eager_regs(const KdaParams p) {
     if constexpr (REGS_OK) eager_tile_run<MOVE_REGS>(p);

@@ -509,6 +509,34 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
 }
 
 #[test]
+fn cuda_register_head_kernel_equals_the_general_kernel_bit_for_bit() {
+    let Some(cu) = cuda() else { return };
+    // kda_eager_regs alone (the fast-eager test runs it among the others): 2-byte K-first
+    // pools, nearest and stochastic rounding, 64 sequences x 8 value heads in slots spread
+    // over the pool
+    let slots: Vec<u32> = (0..64u32).map(|i| 5 * i + 3).collect();
+    for (state, rounding) in [
+        (Dtype::Fp16, Rounding::Nearest),
+        (Dtype::Bf16, Rounding::Nearest),
+        (
+            Dtype::Fp16,
+            Rounding::Stochastic {
+                seed: 0x5eed_0000_0000_0047,
+            },
+        ),
+        (
+            Dtype::Bf16,
+            Rounding::Stochastic {
+                seed: 0x5eed_0000_0000_0048,
+            },
+        ),
+    ] {
+        let c = eager_case(state, StateLayout::KFirst, rounding, &slots);
+        check_fast_eager_kernels_match_the_general_one(&cu, &c, 3, 47, &[EagerKernel::RegsTile]);
+    }
+}
+
+#[test]
 fn cuda_kernels_keep_their_shared_memory_when_calls_alternate_tile_sizes() {
     let Some(cu) = cuda() else { return };
     // fp32 K-first tiles: a whole head (8 warps) needs more than the 48 KB a kernel has without

@@ -145,7 +145,7 @@ const BULK_IN_V_FIRST_FROM: usize = 192;
 /// session): 0.5-5% faster from 1920 heads (the more heads, the more), mostly slower at
 /// 384-1536 (up to 18%) and 1.7x slower at N = 1. fp32 and V-first pools were 2-22% slower
 /// with it at every size from N = 16. Below 2272 heads `kda_eager_bulk_pipe` runs instead
-/// ([`PIPE_2_BYTE_K_FIRST`]); pools of K = V = 128 take `kda_eager_regs` up to 8191 heads
+/// ([`PIPE_2_BYTE_K_FIRST`]); pools of K = V = 128 take `kda_eager_regs` up to 8192 heads
 /// ([`REGS_2_BYTE_K_FIRST`]).
 const STREAM_2_BYTE_K_FIRST_FROM: usize = 2272;
 
@@ -245,8 +245,11 @@ fn regs_fits(e: &EagerShape) -> bool {
 /// pipe or the stream kernel. H200 (docs/performance.md, forty-seventh session, fp16 and bf16,
 /// best of two rounds): 2.1-5.2% faster than the default at 1536-4096 heads (H 12 N 256: 55.0
 /// against 56.9 us), 0.1-2.0% at 4608-7680, level at 8192 (0.2% slower), 1-7% slower than the
-/// bulk pipe at 768-1440 heads. (On devices with bulk copies only, where it was measured.)
-const REGS_2_BYTE_K_FIRST: std::ops::Range<usize> = 1536..8192;
+/// bulk pipe at 768-1440 heads. With a whole row per warp access (forty-eighth session) fp16
+/// pools 1.4-1.8% faster again at 1536-8192 heads (H 32 N 256: 137.4 against 139.3 us), bf16
+/// level, so it takes 8192 heads too. (On devices with bulk copies only, where it was
+/// measured.)
+const REGS_2_BYTE_K_FIRST: std::ops::Range<usize> = 1536..8193;
 
 /// How the plan's own choice moves a tile kernel's tile by bulk copies (or, for
 /// [`REGS_2_BYTE_K_FIRST`], in registers) at this shape, if it does.
@@ -666,13 +669,13 @@ mod tests {
             ..shape(size, heads, v_first)
         };
         // by default: 2-byte K-first pools from 2272 heads on a device with bulk copies (K = V
-        // = 128: from 8192, below that the register kernel), whole heads, the slot read once
+        // = 128: above 8192, up to there the register kernel), whole heads, the slot read once
         let k64 = |heads| EagerShape {
             k: 64,
             v: 64,
             ..with_bulk(2, heads, false)
         };
-        for e in [8192, 16384]
+        for e in [8193, 16384]
             .map(|h| with_bulk(2, h, false))
             .into_iter()
             .chain([k64(2272), k64(3072)])
@@ -797,12 +800,12 @@ mod tests {
     }
 
     #[test]
-    fn the_register_head_kernel_is_the_default_for_2_byte_k_first_heads_of_128_at_1536_to_8191() {
+    fn the_register_head_kernel_is_the_default_for_2_byte_k_first_heads_of_128_at_1536_to_8192() {
         let with_bulk = |size, heads, v_first| EagerShape {
             bulk: true,
             ..shape(size, heads, v_first)
         };
-        for heads in [1536, 2048, 3072, 8191] {
+        for heads in [1536, 2048, 3072, 8192] {
             let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
             assert_eq!(
                 (p.tile, p.warps, p.vblocks, p.smem, p.slot_once),
@@ -812,7 +815,7 @@ mod tests {
         }
         let mv = |e: EagerShape| eager_plan(&e).expect("plan").tile;
         assert_eq!(mv(with_bulk(2, 1535, false)), Some(TileMove::Pipe));
-        assert_eq!(mv(with_bulk(2, 8192, false)), Some(TileMove::Stream));
+        assert_eq!(mv(with_bulk(2, 8193, false)), Some(TileMove::Stream));
         // not without bulk copies (where it was not measured), not for fp32 or V-first pools,
         // other head sizes, or where 4-warp items or another kernel are asked for
         for e in [
