@@ -1523,14 +1523,23 @@ constexpr int MOVE_BULK_IN = 3; // in through shared memory by bulk copies, out 
 constexpr int MOVE_STREAM = 4;  // as MOVE_BULK, the token step streamed from shared memory
 constexpr int MOVE_REGS = 5;    // global memory <-> registers, a whole row per warp access
 
-// kda_eager_regs: a whole head per CTA of 8 warps, held in registers: 2-byte K-first pools with
-// K = V = 128 (REGS_OK) only. Warp j holds rows 16 j .. 16 j + 15, the rows of lane group j of
-// the other kernels, lane l columns 4 l .. 4 l + 3 of each (one 8-byte word), so each load or
-// store of a warp moves a whole 256-byte row. token_step_regs keeps the other kernels' order of
-// operations: a thread's sums run down its 16 rows in order and the eight warps' sums are added
-// as reduce_k adds the lane groups', so the bits are theirs.
-constexpr bool REGS_OK = sizeof(ST) == 2 && !VFIRST && K == 128 && V == 128 && TK == 16 && LK == 8;
-constexpr int RW = REGS_OK ? 16 : 1; // 8-byte words of a thread: one per row
+// kda_eager_regs: a whole head per CTA of 8 warps, held in registers: K-first pools with K = V
+// = 128 (REGS_OK) only. Warp j holds rows 16 j .. 16 j + 15, the rows of lane group j of the
+// other kernels, lane l columns 4 l .. 4 l + 3 of each (one word: 8 bytes of a 2-byte pool, 16
+// of an fp32 one), so each load or store of a warp moves a whole row. token_step_regs keeps the
+// other kernels' order of operations: a thread's sums run down its 16 rows in order and the
+// eight warps' sums are added as reduce_k adds the lane groups', so the bits are theirs.
+constexpr bool REGS_OK = !VFIRST && K == 128 && V == 128 && TK == 16 && LK == 8;
+constexpr int RW = REGS_OK ? 16 : 1; // words of a thread: one per row
+// A thread's word of a row: four elements of the pool's type.
+template <int SIZE> struct RegsWordOf;
+template <> struct RegsWordOf<2> {
+    typedef uint2 T;
+};
+template <> struct RegsWordOf<4> {
+    typedef uint4 T;
+};
+typedef typename RegsWordOf<(int)sizeof(ST)>::T RegsWord;
 // Whether token_step_regs unpacks the words again for its update rather than keep what it
 // unpacked for k S: bf16 pools (regs_opaque).
 template <typename T> struct KdaIsBf16 {
@@ -1548,19 +1557,35 @@ __device__ __forceinline__ void regs_opaque(uint2& w) {
     asm volatile("" : "+r"(w.x), "+r"(w.y));
 #endif
 }
+__device__ __forceinline__ void regs_opaque(uint4& w) {
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__)
+    asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w));
+#endif
+}
 
 // The thread's words of the head (REGS_OK; otherwise nothing).
-__device__ __forceinline__ void regs_load(const ST* head, uint2 (&w)[RW]) {
+__device__ __forceinline__ void regs_load(const ST* head, RegsWord (&w)[RW]) {
     if constexpr (REGS_OK) {
         const int row0 = 16 * (int)(threadIdx.x >> 5), col0 = 4 * (int)(threadIdx.x & 31);
 #pragma unroll
-        for (int i = 0; i < RW; ++i) w[i] = *reinterpret_cast<const uint2*>(head + (size_t)(row0 + i) * V + col0);
+        for (int i = 0; i < RW; ++i) w[i] = *reinterpret_cast<const RegsWord*>(head + (size_t)(row0 + i) * V + col0);
     }
 }
 
-// Element c (0..3) of a word as f32 (a template, so only 2-byte modules compile it).
+// Element c (0..3) of a word as f32 (templates, so each module compiles only its own).
 template <typename T = ST> __device__ __forceinline__ float regs_elem(const uint2& w, int c) {
     return kda_word_half<T>(c < 2 ? w.x : w.y, (c & 1) != 0);
+}
+template <typename T = ST> __device__ __forceinline__ float regs_elem(const uint4& w, int c) {
+    return __uint_as_float(c == 0 ? w.x : c == 1 ? w.y : c == 2 ? w.z : w.w);
+}
+
+// Two consecutive elements (offsets e, e + 1) rounded stochastically as round_elem<true> rounds
+// them, packed low first (a template, so only 2-byte modules compile it).
+template <typename T = ST>
+__device__ __forceinline__ kda_u32 regs_pack_sr(float lo, float hi, kda_u32 base, kda_u32 e) {
+    return (kda_u32)kda_bits(KdaSr<T>::round(lo, kda_sr_bits(base, e))) |
+           ((kda_u32)kda_bits(KdaSr<T>::round(hi, kda_sr_bits(base, e + 1u))) << 16);
 }
 
 // The sum of the eight lane groups' partial sums of column c (part[g * V + c]) in reduce_k's
@@ -1577,7 +1602,7 @@ __device__ __forceinline__ float regs_tree(const float* part, int c) {
 // outputs into op (V values). k, d, q: the activated key, decay and query rows; v: the values;
 // the same operations in the same order as token_step_stream, so the same bits.
 template <bool SR>
-__device__ __forceinline__ void token_step_regs(const uint2 (&w)[RW], ST* head, const float* k, const float* d,
+__device__ __forceinline__ void token_step_regs(const RegsWord (&w)[RW], ST* head, const float* k, const float* d,
                                                 const float* q, const float* v, float beta, IT* op, kda_u32 base,
                                                 kda_u32 elem0) {
     if constexpr (REGS_OK) {
@@ -1608,7 +1633,7 @@ __device__ __forceinline__ void token_step_regs(const uint2 (&w)[RW], ST* head, 
         float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int i = 0; i < RW; ++i) {
-            uint2 wi = w[i];
+            RegsWord wi = w[i];
             // bf16: the word's elements unpacked afresh here, not kept from 1) (kept, 48 bytes
             // spilled at 80 registers, 4% slower; fp16 was 1% slower unpacked afresh,
             // forty-eighth session)
@@ -1620,19 +1645,23 @@ __device__ __forceinline__ void token_step_regs(const uint2 (&w)[RW], ST* head, 
                 o[c] = fmaf(q[i], x[c], o[c]);
             }
             const int r = row0 + i;
-            kda_u32 y[2];
-            if constexpr (SR) {
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    const kda_u32 e = elem0 + (kda_u32)(r * V + col0 + 2 * m);
-                    y[m] = (kda_u32)kda_bits(round_elem<true>(x[2 * m], base, e)) |
-                           ((kda_u32)kda_bits(round_elem<true>(x[2 * m + 1], base, e + 1u)) << 16);
-                }
+            if constexpr (sizeof(ST) == 4) {
+                // (an f32 element stores as it is, nearest or stochastic)
+                *reinterpret_cast<float4*>(head + (size_t)r * V + col0) = make_float4(x[0], x[1], x[2], x[3]);
             } else {
+                kda_u32 y[2];
+                if constexpr (SR) {
 #pragma unroll
-                for (int m = 0; m < 2; ++m) y[m] = kda_pack2_rn<ST>(x[2 * m], x[2 * m + 1]);
+                    for (int m = 0; m < 2; ++m) {
+                        const kda_u32 e = elem0 + (kda_u32)(r * V + col0 + 2 * m);
+                        y[m] = regs_pack_sr(x[2 * m], x[2 * m + 1], base, e);
+                    }
+                } else {
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) y[m] = kda_pack2_rn<ST>(x[2 * m], x[2 * m + 1]);
+                }
+                *reinterpret_cast<uint2*>(head + (size_t)r * V + col0) = make_uint2(y[0], y[1]);
             }
-            *reinterpret_cast<uint2*>(head + (size_t)r * V + col0) = make_uint2(y[0], y[1]);
         }
         *reinterpret_cast<float4*>(part + j * V + col0) = make_float4(o[0], o[1], o[2], o[3]);
         __syncthreads();
@@ -1922,7 +1951,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
     float s[TK][TV];
     kda_u32 w[TW];
-    uint2 wr[RW];
+    RegsWord wr[RW];
     ST* const bt = reinterpret_cast<ST*>(eager_dsm); // the bulk tile
     if constexpr (REGS) {
         regs_load(head, wr);
@@ -2072,13 +2101,14 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 // fit 3 times) and 2-byte V-first pools (with fewer than 80 registers they spilled).
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
-// CTAs of kda_eager_regs per SM its registers are built for (80 registers; the nearest path
-// spills none, the stochastic one 44 bytes; at 4, 64 registers, the nearest path spilled 88-92
-// bytes).
-#define KDA_EAGER_REGS_CTAS 3
+// CTAs of kda_eager_regs per SM its registers are built for: 3 for 2-byte pools (80 registers;
+// the nearest path spills none, the stochastic one 44 bytes; at 4, 64 registers, the nearest
+// path spilled 88-92 bytes), 2 for fp32 ones (their 64 KB heads take 64 registers of words
+// alone; 104 registers, no spill).
+#define KDA_EAGER_REGS_CTAS (sizeof(KDA_ST) == 4 ? 2 : 3)
 
 // kda_eager_tile with the whole head in registers, a whole row per warp access
-// (token_step_regs; 2-byte K-first pools with K = V = 128 only, the host's plan); same bits.
+// (token_step_regs; K-first pools with K = V = 128 only, the host's plan); same bits.
 extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_REGS_CTAS) kda_eager_regs(const KdaParams p) {
     if constexpr (REGS_OK) eager_tile_run<MOVE_REGS>(p);
 }

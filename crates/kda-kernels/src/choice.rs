@@ -27,10 +27,10 @@ pub enum EagerKernel {
     /// share an SM; same bits.
     StreamTile,
     /// `kda_eager_regs`: one whole head per CTA of 8 warps in registers, warp j the 16 rows of
-    /// lane group j, each warp access a whole 256-byte row (so the warps' sums need no hand-off);
-    /// same bits. 2-byte K-first pools with K = V = 128 only; elsewhere `StreamTile` runs
-    /// instead. The default for those pools at 1536-8192 value heads on devices with bulk
-    /// copies.
+    /// lane group j, each warp access a whole row (so the warps' sums need no hand-off); same
+    /// bits. K-first pools with K = V = 128 only; elsewhere `StreamTile` runs instead. The
+    /// default for those pools on devices with bulk copies at 1536-8192 value heads (2-byte)
+    /// and 768-8192 (fp32).
     RegsTile,
     /// `kda_eager_bulk_pipe`: persistent CTAs over whole heads, one warp loading the next
     /// heads' tiles and inputs by bulk copies into a ring of shared-memory buffers, three groups

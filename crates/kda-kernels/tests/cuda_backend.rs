@@ -511,11 +511,12 @@ fn cuda_fast_eager_kernels_equal_the_general_kernel_bit_for_bit() {
 #[test]
 fn cuda_register_head_kernel_equals_the_general_kernel_bit_for_bit() {
     let Some(cu) = cuda() else { return };
-    // kda_eager_regs alone (the fast-eager test runs it among the others): 2-byte K-first
-    // pools, nearest and stochastic rounding, 64 sequences x 8 value heads in slots spread
-    // over the pool
+    // kda_eager_regs alone (the fast-eager test runs it among the others): K-first pools,
+    // nearest and stochastic rounding, 64 sequences x 8 value heads in slots spread over the
+    // pool
     let slots: Vec<u32> = (0..64u32).map(|i| 5 * i + 3).collect();
     for (state, rounding) in [
+        (Dtype::Fp32, Rounding::Nearest),
         (Dtype::Fp16, Rounding::Nearest),
         (Dtype::Bf16, Rounding::Nearest),
         (

@@ -220,7 +220,8 @@ impl CudaBackend {
     /// `kda_eager_tile_staged`), the pipelined kernel for mid-size 2-byte K-first calls, and on
     /// a device with bulk copies `kda_eager_tile_bulk` for big K-first and fp32 V-first calls
     /// and `kda_eager_tile_bulk_in` for mid-size V-first and 2-byte K-first ones, and
-    /// `kda_eager_regs` for big 2-byte K-first calls of K = V = 128 (1536-8192 value heads),
+    /// `kda_eager_regs` for big K-first calls of K = V = 128 (1536-8192 value heads of 2-byte
+    /// pools, 768-8192 of fp32 ones),
     /// `kda_eager_tile_stream` for the biggest 2-byte K-first calls (`eager_plan`).
     pub fn set_eager_kernel(&self, kernel: Option<EagerKernel>) -> Result<()> {
         *self.eager_kernel.lock() = kernel;

@@ -234,10 +234,10 @@ fn pipe_buffers(e: &EagerShape, cw: usize) -> Option<usize> {
 /// `kda_eager_regs` from 1536 heads instead ([`REGS_2_BYTE_K_FIRST`]).
 const PIPE_2_BYTE_K_FIRST: std::ops::Range<usize> = 384..STREAM_2_BYTE_K_FIRST_FROM;
 
-/// Whether `kda_eager_regs` takes the shape: 2-byte K-first pools with K = V = 128 (its lane
-/// mapping, `REGS_OK` in `kernels/kda_decode.cu`), whole heads per CTA (8 warps).
+/// Whether `kda_eager_regs` takes the shape: K-first pools with K = V = 128 (its lane mapping,
+/// `REGS_OK` in `kernels/kda_decode.cu`), whole heads per CTA (8 warps).
 fn regs_fits(e: &EagerShape) -> bool {
-    e.state_size == 2 && !e.v_first && e.k == 128 && e.v == 128
+    !e.v_first && e.k == 128 && e.v == 128
 }
 
 /// Value heads of a call for which a 2-byte K-first pool of K = V = 128 decodes with
@@ -251,13 +251,24 @@ fn regs_fits(e: &EagerShape) -> bool {
 /// measured.)
 const REGS_2_BYTE_K_FIRST: std::ops::Range<usize> = 1536..8193;
 
+/// Value heads of a call for which an fp32 K-first pool of K = V = 128 decodes with
+/// `kda_eager_regs` (2 CTAs per SM, 104 registers) instead of `kda_eager_tile_bulk`. H200
+/// (docs/performance.md, forty-eighth session, best of two rounds): 0.3-3.9% faster at every
+/// size measured, 768-8192 heads (H 12 N 64: 28.8 against 30.0 us; H 32 N 256: 265.3 against
+/// 266.1). (On devices with bulk copies only, where it was measured.)
+const REGS_FP32_K_FIRST: std::ops::Range<usize> = 768..8193;
+
 /// How the plan's own choice moves a tile kernel's tile by bulk copies (or, for
 /// [`REGS_2_BYTE_K_FIRST`], in registers) at this shape, if it does.
 fn default_bulk_move(e: &EagerShape) -> Option<TileMove> {
     if !e.bulk {
         return None;
     }
-    if regs_fits(e) && REGS_2_BYTE_K_FIRST.contains(&e.heads) {
+    let regs_heads = match e.state_size {
+        2 => REGS_2_BYTE_K_FIRST,
+        _ => REGS_FP32_K_FIRST,
+    };
+    if regs_fits(e) && regs_heads.contains(&e.heads) {
         Some(TileMove::Regs)
     } else if e.state_size == 2 && !e.v_first && e.heads >= STREAM_2_BYTE_K_FIRST_FROM {
         Some(TileMove::Stream)
@@ -545,9 +556,10 @@ mod tests {
             ..shape(size, heads, v_first)
         };
         let mv = |e: &EagerShape| eager_plan(e).expect("plan").tile;
-        // fp32 K-first pools from 512 heads: whole heads (8 warps), the rows of each lane group
-        // shifted by a warp's columns in shared memory
-        for heads in [512, 8192] {
+        // fp32 K-first pools from 512 heads (K = V = 128: 512-767 and from 8193, the register
+        // kernel between): whole heads (8 warps), the rows of each lane group shifted by a
+        // warp's columns in shared memory
+        for heads in [512, 767, 8193] {
             let p = eager_plan(&with_bulk(4, heads, false)).expect("plan");
             assert_eq!(p.tile, Some(TileMove::Bulk), "{heads} heads");
             assert_eq!((p.warps, p.vblocks), (8, 1));
@@ -638,7 +650,10 @@ mod tests {
             assert!(once(4, heads, false), "fp32 K-first, {heads} heads");
         }
         assert!(!once(4, 512, false));
-        assert!(!once(4, 8192, false));
+        assert!(!once(4, 8193, false));
+        // (the register kernel's heads, 768-8192, from the slot read before the wait)
+        assert!(once(4, 768, false));
+        assert!(once(4, 8192, false));
         // 2-byte K-first pools: below 192 heads and from 1536
         for (heads, expected) in [
             (96, true),
@@ -800,27 +815,37 @@ mod tests {
     }
 
     #[test]
-    fn the_register_head_kernel_is_the_default_for_2_byte_k_first_heads_of_128_at_1536_to_8192() {
+    fn the_register_head_kernel_is_the_default_for_k_first_heads_of_128_at_1536_or_768_to_8192() {
         let with_bulk = |size, heads, v_first| EagerShape {
             bulk: true,
             ..shape(size, heads, v_first)
         };
-        for heads in [1536, 2048, 3072, 8192] {
-            let p = eager_plan(&with_bulk(2, heads, false)).expect("plan");
+        for (size, heads) in [
+            (2, 1536),
+            (2, 2048),
+            (2, 3072),
+            (2, 8192),
+            (4, 768),
+            (4, 8192),
+        ] {
+            let p = eager_plan(&with_bulk(size, heads, false)).expect("plan");
             assert_eq!(
                 (p.tile, p.warps, p.vblocks, p.smem, p.slot_once),
                 (Some(TileMove::Regs), 8, 1, 0, true),
-                "{heads} heads"
+                "{size}-byte, {heads} heads"
             );
         }
         let mv = |e: EagerShape| eager_plan(&e).expect("plan").tile;
         assert_eq!(mv(with_bulk(2, 1535, false)), Some(TileMove::Pipe));
         assert_eq!(mv(with_bulk(2, 8193, false)), Some(TileMove::Stream));
-        // not without bulk copies (where it was not measured), not for fp32 or V-first pools,
-        // other head sizes, or where 4-warp items or another kernel are asked for
+        assert_eq!(mv(with_bulk(4, 767, false)), Some(TileMove::Bulk));
+        assert_eq!(mv(with_bulk(4, 8193, false)), Some(TileMove::Bulk));
+        // not without bulk copies (where it was not measured), not for V-first pools, other
+        // head sizes, or where 4-warp items or another kernel are asked for
         for e in [
             shape(2, 3072, false),
-            with_bulk(4, 3072, false),
+            shape(4, 3072, false),
+            with_bulk(4, 3072, true),
             with_bulk(2, 3072, true),
             EagerShape {
                 k: 64,
@@ -841,7 +866,7 @@ mod tests {
     }
 
     #[test]
-    fn the_register_head_kernel_takes_whole_2_byte_k_first_heads_of_128_only() {
+    fn the_register_head_kernel_takes_whole_k_first_heads_of_128_only() {
         let regs = |e: EagerShape| {
             eager_plan(&EagerShape {
                 kernel: Some(EagerKernel::RegsTile),
@@ -849,14 +874,14 @@ mod tests {
             })
             .expect("plan")
         };
-        for heads in [12, 768, 3072] {
-            let p = regs(shape(2, heads, false));
-            assert_eq!(p.tile, Some(TileMove::Regs), "{heads} heads");
+        for (size, heads) in [(2, 12), (2, 768), (2, 3072), (4, 12), (4, 768)] {
+            let p = regs(shape(size, heads, false));
+            assert_eq!(p.tile, Some(TileMove::Regs), "{size}-byte, {heads} heads");
             assert_eq!((p.warps, p.vblocks, p.smem), (8, 1, 0), "{heads} heads");
         }
-        // fp32 or V-first pools, other head sizes or fewer warps: the stream kernel instead
+        // V-first pools, other head sizes or fewer warps: the stream kernel instead
         for e in [
-            shape(4, 768, false),
+            shape(4, 768, true),
             shape(2, 768, true),
             EagerShape {
                 k: 64,

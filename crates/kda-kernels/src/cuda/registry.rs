@@ -410,7 +410,7 @@ pub(crate) enum TileMove {
     /// As `Bulk`, the token step streamed from shared memory (`kda_eager_tile_stream`).
     Stream,
     /// A whole head between global memory and registers, a whole row per warp access
-    /// (`kda_eager_regs`; 2-byte K-first, K = V = 128).
+    /// (`kda_eager_regs`; K-first, K = V = 128).
     Regs,
     /// Persistent CTAs whose warps load, step and store heads through a ring of bulk
     /// buffers (`kda_eager_bulk_pipe`; not one item per CTA).
