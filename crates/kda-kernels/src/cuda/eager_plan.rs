@@ -245,10 +245,10 @@ fn regs_fits(e: &EagerShape) -> bool {
 /// pipe or the stream kernel. H200 (docs/performance.md, forty-seventh session, fp16 and bf16,
 /// best of two rounds): 2.1-5.2% faster than the default at 1536-4096 heads (H 12 N 256: 55.0
 /// against 56.9 us), 0.1-2.0% at 4608-7680, level at 8192 (0.2% slower), 1-7% slower than the
-/// bulk pipe at 768-1440 heads. With a whole row per warp access (forty-eighth session) fp16
-/// pools 1.4-1.8% faster again at 1536-8192 heads (H 32 N 256: 137.4 against 139.3 us), bf16
-/// level, so it takes 8192 heads too. (On devices with bulk copies only, where it was
-/// measured.)
+/// bulk pipe at 768-1440 heads. With a whole row per warp access (forty-eighth session, call
+/// 4, forced) fp16 pools 1.4-1.8% faster again at 1536-8192 heads (H 32 N 256: 137.4 against
+/// 139.3 us), bf16 level; at 8192 fp16 1.2% faster than the stream kernel (call 5), so it
+/// takes 8192 heads too. (On devices with bulk copies only, where it was measured.)
 const REGS_2_BYTE_K_FIRST: std::ops::Range<usize> = 1536..8193;
 
 /// Value heads of a call for which an fp32 K-first pool of K = V = 128 decodes with
