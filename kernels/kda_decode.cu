@@ -1635,7 +1635,7 @@ __device__ __forceinline__ void token_step_regs(const RegsWord (&w)[RW], ST* hea
         for (int i = 0; i < RW; ++i) {
             RegsWord wi = w[i];
             // bf16: the word's elements unpacked afresh here, not kept from 1) (kept, 48 bytes
-            // spilled at 80 registers, 4% slower; fp16 was 1% slower unpacked afresh,
+            // spilled at 80 registers, 4-5% slower; fp16 was 1.2-1.3% slower unpacked afresh,
             // forty-eighth session)
             if constexpr (REGS_AFRESH) regs_opaque(wi);
             float x[4];
