@@ -1532,14 +1532,7 @@ constexpr int MOVE_REGS = 5;    // global memory <-> registers, a whole row per 
 constexpr bool REGS_OK = !VFIRST && K == 128 && V == 128 && TK == 16 && LK == 8;
 constexpr int RW = REGS_OK ? 16 : 1; // words of a thread: one per row
 // A thread's word of a row: four elements of the pool's type.
-template <int SIZE> struct RegsWordOf;
-template <> struct RegsWordOf<2> {
-    typedef uint2 T;
-};
-template <> struct RegsWordOf<4> {
-    typedef uint4 T;
-};
-typedef typename RegsWordOf<(int)sizeof(ST)>::T RegsWord;
+typedef typename KdaRaw<4 * sizeof(ST)>::t RegsWord;
 // Whether token_step_regs unpacks the words again for its update rather than keep what it
 // unpacked for k S: bf16 pools (regs_opaque).
 template <typename T> struct KdaIsBf16 {
@@ -1550,16 +1543,12 @@ template <> struct KdaIsBf16<kda_bf16> {
 };
 constexpr bool REGS_AFRESH = REGS_OK && KdaIsBf16<ST>::value;
 
-// Makes a word opaque to the compiler (no instruction), so nothing computed from it before is
-// reused after.
-__device__ __forceinline__ void regs_opaque(uint2& w) {
+// Makes a 2-byte pool's word opaque to the compiler (no instruction), so nothing computed from
+// it before is reused after (a template, so only modules that use it compile it).
+template <typename W> __device__ __forceinline__ void regs_opaque(W& w) {
+    static_assert(sizeof(W) == 8, "regs_opaque: the word of a 2-byte pool");
 #if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__)
     asm volatile("" : "+r"(w.x), "+r"(w.y));
-#endif
-}
-__device__ __forceinline__ void regs_opaque(uint4& w) {
-#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__)
-    asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w));
 #endif
 }
 
@@ -1580,12 +1569,12 @@ template <typename T = ST> __device__ __forceinline__ float regs_elem(const uint
     return __uint_as_float(c == 0 ? w.x : c == 1 ? w.y : c == 2 ? w.z : w.w);
 }
 
-// Two consecutive elements (offsets e, e + 1) rounded stochastically as round_elem<true> rounds
-// them, packed low first (a template, so only 2-byte modules compile it).
+// Two consecutive elements (offsets e, e + 1) rounded stochastically by round_elem<true>,
+// packed low first (a template, so only 2-byte modules compile it).
 template <typename T = ST>
 __device__ __forceinline__ kda_u32 regs_pack_sr(float lo, float hi, kda_u32 base, kda_u32 e) {
-    return (kda_u32)kda_bits(KdaSr<T>::round(lo, kda_sr_bits(base, e))) |
-           ((kda_u32)kda_bits(KdaSr<T>::round(hi, kda_sr_bits(base, e + 1u))) << 16);
+    const T a = round_elem<true>(lo, base, e), b = round_elem<true>(hi, base, e + 1u);
+    return (kda_u32)kda_bits(a) | ((kda_u32)kda_bits(b) << 16);
 }
 
 // The sum of the eight lane groups' partial sums of column c (part[g * V + c]) in reduce_k's

@@ -19,6 +19,7 @@ const THREE_STAGES_FROM_ITEMS_PER_CTA: usize = 4;
 const SMEM_RESERVED_PER_CTA: usize = 1024;
 
 /// What decides whether and how the pipelined eager kernel runs.
+#[derive(Debug, Clone, Copy)]
 pub(super) struct EagerShape {
     pub(super) k: usize,
     pub(super) v: usize,
@@ -439,6 +440,18 @@ pub(super) fn eager_plan(e: &EagerShape) -> Option<EagerPlan> {
 mod tests {
     use super::*;
 
+    /// `e` with K = V = 64 and `e` with 4 warps asked for: shapes `kda_eager_regs` does not
+    /// take (its lane mapping is for whole heads of K = V = 128).
+    fn regs_misfits(e: EagerShape) -> [EagerShape; 2] {
+        [
+            EagerShape { k: 64, v: 64, ..e },
+            EagerShape {
+                fixed_warps: Some(4),
+                ..e
+            },
+        ]
+    }
+
     /// The H200's limits: 132 SMs, 227 KiB of opt-in shared memory per CTA.
     fn shape(state_size: usize, heads: usize, v_first: bool) -> EagerShape {
         EagerShape {
@@ -848,19 +861,13 @@ mod tests {
             with_bulk(4, 3072, true),
             with_bulk(2, 3072, true),
             EagerShape {
-                k: 64,
-                v: 64,
-                ..with_bulk(2, 3072, false)
-            },
-            EagerShape {
-                fixed_warps: Some(4),
-                ..with_bulk(2, 3072, false)
-            },
-            EagerShape {
                 kernel: Some(EagerKernel::StreamTile),
                 ..with_bulk(2, 3072, false)
             },
-        ] {
+        ]
+        .into_iter()
+        .chain(regs_misfits(with_bulk(2, 3072, false)))
+        {
             assert_ne!(mv(e), Some(TileMove::Regs));
         }
     }
@@ -880,19 +887,10 @@ mod tests {
             assert_eq!((p.warps, p.vblocks, p.smem), (8, 1, 0), "{heads} heads");
         }
         // V-first pools, other head sizes or fewer warps: the stream kernel instead
-        for e in [
-            shape(4, 768, true),
-            shape(2, 768, true),
-            EagerShape {
-                k: 64,
-                v: 64,
-                ..shape(2, 768, false)
-            },
-            EagerShape {
-                fixed_warps: Some(4),
-                ..shape(2, 768, false)
-            },
-        ] {
+        for e in [shape(4, 768, true), shape(2, 768, true)]
+            .into_iter()
+            .chain(regs_misfits(shape(2, 768, false)))
+        {
             assert_eq!(regs(e).tile, Some(TileMove::Stream));
         }
     }
