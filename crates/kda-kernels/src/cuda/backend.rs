@@ -573,12 +573,6 @@ impl CudaBackend {
                 let k = eager_tile_kernel(&self.ctx, key, mv)?;
                 let smem = if mv == TileMove::Stream {
                     Self::stream_smem(&k, warps * 32, smem)?
-                } else if mv == TileMove::Regs {
-                    // PROBE: unused dynamic shared memory to cap the CTAs per SM
-                    std::env::var("KDA_PROBE_REGS_SMEM")
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(smem)
                 } else {
                     smem
                 };
