@@ -1593,7 +1593,7 @@ __device__ __forceinline__ float regs_tree(const float* part, int c) {
 template <bool SR>
 __device__ __forceinline__ void token_step_regs(const RegsWord (&w)[RW], ST* head, const float* k, const float* d,
                                                 const float* q, const float* v, float beta, IT* op, kda_u32 base,
-                                                kda_u32 elem0, const KdaParams& p, kda_u32 nx, kda_u32 nslot) {
+                                                kda_u32 elem0) {
     if constexpr (REGS_OK) {
         __shared__ __align__(16) float part[8 * V], us[V];
         const int j = (int)(threadIdx.x >> 5), row0 = 16 * j, col0 = 4 * (int)(threadIdx.x & 31);
@@ -1610,8 +1610,6 @@ __device__ __forceinline__ void token_step_regs(const RegsWord (&w)[RW], ST* hea
         }
         *reinterpret_cast<float4*>(part + j * V + col0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
         __syncthreads();
-        // PROBE: the head of a later item into L2 while this one steps
-        if (nx != 0u) prefetch_item(p, nx, nslot, V);
         if (threadIdx.x < (unsigned)V) {
             const int c = (int)threadIdx.x;
             us[c] = beta * (v[c] - regs_tree(part, c));
@@ -1944,16 +1942,8 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     kda_u32 w[TW];
     RegsWord wr[RW];
     ST* const bt = reinterpret_cast<ST*>(eager_dsm); // the bulk tile
-    kda_u32 pnx = 0u, pslot = 0u;
     if constexpr (REGS) {
         regs_load(head, wr);
-        if (p.ring_mt != 0u) {
-            const kda_u32 nx = item + p.ring_mt;
-            if (nx < p.n_seqs * p.hv * p.vblocks) {
-                pnx = nx;
-                pslot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, nx)];
-            }
-        }
     } else if constexpr (BULK) {
         if (warp == 0) {
             if (lane == 0) bulk_bar_init(&bulk_bar);
@@ -2026,9 +2016,9 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         const kda_u32 elem0 = tile_elem0<false>(hv, 0);
         if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            token_step_regs<true>(wr, head, ak, ad, aq, av, abeta, op, kda_sr_base(seed, p.layer, slot, p.epoch), elem0, p, pnx, pslot);
+            token_step_regs<true>(wr, head, ak, ad, aq, av, abeta, op, kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
         } else {
-            token_step_regs<false>(wr, head, ak, ad, aq, av, abeta, op, 0u, elem0, p, pnx, pslot);
+            token_step_regs<false>(wr, head, ak, ad, aq, av, abeta, op, 0u, elem0);
         }
         return;
     }

@@ -687,26 +687,7 @@ impl CudaBackend {
             units: units as u32,
             vblocks: vblocks as u32,
             stages: pipe.map_or(2, |pl| pl.stages as u32),
-            ring_mt: ring_pipe.map_or_else(
-                || {
-                    // PROBE: kda_eager_regs prefetches the head of the item this many later
-                    if matches!(
-                        pipe,
-                        Some(EagerPlan {
-                            tile: Some(TileMove::Regs),
-                            ..
-                        })
-                    ) {
-                        std::env::var("KDA_PROBE_AHEAD")
-                            .ok()
-                            .and_then(|v| v.parse().ok())
-                            .unwrap_or(0)
-                    } else {
-                        0
-                    }
-                },
-                |rp| rp.mt as u32,
-            ),
+            ring_mt: ring_pipe.map_or(0, |rp| rp.mt as u32),
             early: match (dependent, pipe.is_some_and(|pl| pl.slot_once)) {
                 (false, _) => 0,
                 (true, false) => EARLY_PREFETCH,
