@@ -1531,16 +1531,6 @@ constexpr int MOVE_REGS = 5;    // global memory <-> registers, a whole row per 
 // eight warps' sums are added as reduce_k adds the lane groups', so the bits are theirs.
 constexpr bool REGS_OK = !VFIRST && K == 128 && V == 128 && TK == 16 && LK == 8;
 constexpr int RW = REGS_OK ? 16 : 1; // words of a thread: one per row
-#ifndef KDA_REGS_RR
-#define KDA_REGS_RR 16
-#endif
-#ifndef KDA_REGS_RR32
-#define KDA_REGS_RR32 16
-#endif
-// PROBE: of a thread's RW rows the first RR in registers, the other RS in shared memory
-// (KDA_REGS_RR for 2-byte pools, KDA_REGS_RR32 for fp32 ones)
-constexpr int RR = REGS_OK ? (sizeof(ST) == 4 ? KDA_REGS_RR32 : KDA_REGS_RR) : 1;
-constexpr int RS = REGS_OK ? RW - RR : 0;
 // A thread's word of a row: four elements of the pool's type.
 typedef typename KdaRaw<4 * sizeof(ST)>::t RegsWord;
 // Whether token_step_regs unpacks the words again for its update rather than keep what it
@@ -1562,33 +1552,13 @@ template <typename W> __device__ __forceinline__ void regs_opaque(W& w) {
 #endif
 }
 
-// The shared-memory words of kda_eager_regs' threads: thread t's row RR + i at [i * 256 + t].
-__device__ __forceinline__ RegsWord* regs_smem() {
-    __shared__ RegsWord sm[RS > 0 ? RS * 256 : 1];
-    return sm;
-}
-
 // The thread's words of the head (REGS_OK; otherwise nothing).
 __device__ __forceinline__ void regs_load(const ST* head, RegsWord (&w)[RW]) {
     if constexpr (REGS_OK) {
         const int row0 = 16 * (int)(threadIdx.x >> 5), col0 = 4 * (int)(threadIdx.x & 31);
 #pragma unroll
-        for (int i = 0; i < RW; ++i) {
-            const RegsWord* src = reinterpret_cast<const RegsWord*>(head + (size_t)(row0 + i) * V + col0);
-            if (i < RR) {
-                w[i] = *src;
-            } else if constexpr (sizeof(RegsWord) == 8) {
-                cp_async8(regs_smem() + (i - RR) * 256 + threadIdx.x, src);
-            } else {
-                cp_async16(regs_smem() + (i - RR) * 256 + threadIdx.x, src);
-            }
-        }
-        if constexpr (RS > 0) cp_async_commit();
+        for (int i = 0; i < RW; ++i) w[i] = *reinterpret_cast<const RegsWord*>(head + (size_t)(row0 + i) * V + col0);
     }
-}
-// The thread's word of row i (RR.. from shared memory).
-__device__ __forceinline__ RegsWord regs_word(const RegsWord (&w)[RW], int i) {
-    return i < RR ? w[i] : regs_smem()[(i - RR) * 256 + threadIdx.x];
 }
 
 // Element c (0..3) of a word as f32 (templates, so each module compiles only its own).
@@ -1633,12 +1603,10 @@ __device__ __forceinline__ void token_step_regs(const RegsWord (&w)[RW], ST* hea
         q += row0;
         // 1) k S down the warp's 16 rows, the warps' sums in reduce_k's order
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if constexpr (RS > 0) cp_async_wait<0>();
 #pragma unroll
         for (int i = 0; i < RW; ++i) {
-            const RegsWord wi = regs_word(w, i);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[c] = fmaf(k[i], regs_elem(wi, c) * d[i], acc[c]);
+            for (int c = 0; c < 4; ++c) acc[c] = fmaf(k[i], regs_elem(w[i], c) * d[i], acc[c]);
         }
         *reinterpret_cast<float4*>(part + j * V + col0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
         __syncthreads();
@@ -1654,7 +1622,7 @@ __device__ __forceinline__ void token_step_regs(const RegsWord (&w)[RW], ST* hea
         float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int i = 0; i < RW; ++i) {
-            RegsWord wi = regs_word(w, i);
+            RegsWord wi = w[i];
             // bf16: the word's elements unpacked afresh here, not kept from 1) (kept, 48 bytes
             // spilled at 80 registers, 4-5% slower; fp16 was 1.2-1.3% slower unpacked afresh,
             // forty-eighth session)
