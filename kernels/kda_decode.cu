@@ -2091,7 +2091,7 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
 // CTAs of kda_eager_regs per SM its registers are built for: 3 for 2-byte pools (80 registers;
-// the nearest path spills none, the stochastic one 44 bytes; at 4, 64 registers, the nearest
+// the nearest path spills none, the stochastic one 44-52 bytes; at 4, 64 registers, the nearest
 // path spilled 88-92 bytes), 2 for fp32 ones (their 64 KB heads take 64 registers of words
 // alone; 104 registers, no spill).
 #define KDA_EAGER_REGS_CTAS (sizeof(KDA_ST) == 4 ? 2 : 3)
