@@ -27,7 +27,7 @@ use kda_kernels::{
 use kda_kernels::{TensorView, TensorViewMut};
 use state_pool::{DeviceMemory, Dtype, LayerPlanes, PoolGeometry, Rounding, StateLayout};
 
-use super::CliError;
+use super::{list, CliError};
 
 /// The ring kernels each ring case is also timed with, forced, and their rows' suffixes
 /// (`decode-piped`, `spec-tile`, `replay-step`, ...).
@@ -147,23 +147,6 @@ pub struct Args {
 
 fn usage(msg: impl Into<String>) -> CliError {
     CliError::Usage(msg.into())
-}
-
-fn list<T>(
-    arg: &str,
-    s: &str,
-    parse: impl Fn(&str) -> Option<T>,
-    accepted: &str,
-) -> Result<Vec<T>, CliError> {
-    s.split(',')
-        .map(|x| {
-            parse(x.trim()).ok_or_else(|| {
-                usage(format!(
-                    "--{arg}: '{x}' is not accepted; expected {accepted}"
-                ))
-            })
-        })
-        .collect()
 }
 
 fn positive(x: &str) -> Option<usize> {

@@ -3,6 +3,7 @@
 
 pub mod accuracy;
 pub mod bench;
+pub mod precompile;
 pub mod report;
 pub mod run_op;
 pub mod simulate;
@@ -35,6 +36,8 @@ pub enum Command {
     RunOp(run_op::Args),
     /// Drive the pool and kernels as a serving engine does, and check every request.
     Simulate(simulate::Args),
+    /// Compile the CUDA kernel modules ahead of time into a module cache (no GPU needed).
+    Precompile(precompile::Args),
 }
 
 /// A CLI failure: bad input (exit code 2) or a failure while running (exit code 1).
@@ -82,6 +85,25 @@ impl From<kda_kernels::KernelError> for CliError {
     }
 }
 
+/// The items of `--arg`'s comma-separated value `s`, each parsed by `parse`; an item it
+/// refuses is a usage error naming the argument, the item and what is `accepted`.
+pub(crate) fn list<T>(
+    arg: &str,
+    s: &str,
+    parse: impl Fn(&str) -> Option<T>,
+    accepted: &str,
+) -> Result<Vec<T>, CliError> {
+    s.split(',')
+        .map(|x| {
+            parse(x.trim()).ok_or_else(|| {
+                CliError::Usage(format!(
+                    "--{arg}: '{x}' is not accepted; expected {accepted}"
+                ))
+            })
+        })
+        .collect()
+}
+
 /// Installs the tracing subscriber (stderr, `RUST_LOG` or info/debug).
 pub fn init_tracing(verbose: bool) {
     let default = if verbose { "debug" } else { "info" };
@@ -103,5 +125,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Bench(a) => bench::run(a),
         Command::RunOp(a) => run_op::run(a),
         Command::Simulate(a) => simulate::run(a),
+        Command::Precompile(a) => precompile::run(a),
     }
 }

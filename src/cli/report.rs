@@ -167,7 +167,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
 }
 
 fn load_model(args: &Args) -> Result<ModelConfig, CliError> {
-    let model = match (&args.model, &args.hf_config) {
+    load_model_or_default(args.model.as_deref(), args.hf_config.as_deref())
+}
+
+/// The model of `--model FILE` (the project's schema) or else `--hf-config FILE`, or else the
+/// embedded default (Kimi-K3 at TP8).
+pub(super) fn load_model_or_default(
+    model: Option<&std::path::Path>,
+    hf_config: Option<&std::path::Path>,
+) -> Result<ModelConfig, CliError> {
+    let model = match (model, hf_config) {
         (Some(path), _) => ModelConfig::load(path)?,
         (None, Some(path)) => ModelConfig::load_hf(path)?,
         (None, None) => ModelConfig::from_json_str(DEFAULT_MODEL, DEFAULT_MODEL_SOURCE)?,

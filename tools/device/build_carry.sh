@@ -5,6 +5,8 @@
 # .git/info/exclude), to name in the call's `carry`. On the device:
 #   .devbin/NAME/cuda_backend --test-threads 1 [FILTER]     the GPU tests
 #   LD_LIBRARY_PATH=.devbin/NAME/lib .devbin/NAME/kda-pool bench ...   the benchmark
+# (both with KDA_KERNEL_CACHE=.devbin/NAME/kc where the build's bench modules were precompiled
+# here, below, so the device loads them instead of compiling them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 name=${1:?usage: tools/device/build_carry.sh NAME}
@@ -29,3 +31,16 @@ ldd "$out/kda-pool" | awk '$3 ~ /^\// {print $3}' |
     { grep -Ev '/(libc|libm|libgcc_s|libpthread|libdl|librt|ld-linux[^/]*)\.so' || true; } |
     xargs -r cp -L -t "$out/lib"
 ls -l "$out"
+# The bench's kernel modules (K = V = 128, K-first, bf16 inputs, every state dtype) and the fill
+# module, compiled here for the H200 into $out/kc. The device finds them only where the file
+# names match its own: NVRTC 13.0 here as there, and the same include option, which needs
+# /usr/local/cuda/include/cuda_fp16.h here (the device's headers are there; a link to the CUDA
+# wheel that tools/offline/kernel_sass.sh fetches will do). Otherwise the device compiles as
+# before. NVRTC from KDA_NVRTC_LIB (default: where .ci/run puts it).
+nvrtc_lib=${KDA_NVRTC_LIB:-${TMPDIR:-/tmp}/kda-ci-nvrtc/x/nvidia/cu13/lib}
+if [ -e /usr/local/cuda/include/cuda_fp16.h ] && [ -d "$nvrtc_lib" ]; then
+    env -u CUDA_PATH -u CUDA_HOME LD_LIBRARY_PATH="$nvrtc_lib" "$out/kda-pool" precompile \
+        --arch sm_90 --cache "$out/kc" --states fp32,fp16,bf16 --layouts kfirst
+else
+    echo "no kernel modules precompiled: needs NVRTC in $nvrtc_lib and /usr/local/cuda/include/cuda_fp16.h"
+fi

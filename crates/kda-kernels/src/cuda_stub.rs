@@ -131,6 +131,10 @@ impl CudaBackend {
     pub fn device_name(&self) -> &str {
         match *self {}
     }
+    /// The device's architecture.
+    pub fn arch(&self) -> crate::precompile::GpuArch {
+        match *self {}
+    }
     /// Compiles and loads the kernels of these geometries ahead of their first use.
     pub fn warm_up(&self, _geometries: &[PoolGeometry]) -> Result<()> {
         match *self {}

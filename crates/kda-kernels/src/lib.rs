@@ -14,6 +14,7 @@ pub mod cuda;
 #[path = "cuda_stub.rs"]
 pub mod cuda;
 pub mod error;
+pub mod precompile;
 pub mod rounding;
 pub mod serving_doc;
 #[cfg(feature = "testing")]
@@ -26,3 +27,4 @@ pub use api::{
 pub use choice::{EagerKernel, RingKernel};
 pub use cpu::CpuBackend;
 pub use error::{KernelError, Result};
+pub use precompile::{precompile, GpuArch, PrecompiledModule};

@@ -1329,6 +1329,48 @@ fn cuda_enqueued_verify_clamps_an_accepted_count_above_the_drafts_and_reports_it
 }
 
 #[test]
+fn cuda_precompiled_modules_load_on_the_device_with_their_kernels() {
+    let Some(cu) = cuda() else { return };
+    // a module of the suite's (compiled again here, for the device's architecture) and the
+    // fill module, into a fresh cache directory
+    let dir = std::env::temp_dir().join(format!("kda-precompile-gpu-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let g = case(
+        1,
+        1,
+        128,
+        128,
+        Dtype::Fp16,
+        Dtype::Bf16,
+        StateLayout::KFirst,
+        1,
+    )
+    .geometry();
+    let modules = kda_kernels::precompile(&dir, cu.arch(), &[g]).expect("NVRTC compiles them");
+    assert_eq!(modules.len(), 2, "{modules:?}");
+    // the driver loads each CUBIN and finds the kernels the registry looks up in it
+    let ctx = cudarc::driver::CudaContext::new(0).expect("device 0");
+    for m in &modules {
+        assert!(!m.cached, "{m:?}");
+        let bytes = std::fs::read(&m.path).expect("the module's file");
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(bytes))
+            .unwrap_or_else(|e| panic!("{}: the driver refused it: {e}", m.name));
+        let entries: &[&str] = if m.name == "kda_fill.cu" {
+            &["kda_fill", "kda_copy"]
+        } else {
+            &["kda_step", "kda_eager_regs", "kda_ring_delta"]
+        };
+        for f in entries {
+            module
+                .load_function(f)
+                .unwrap_or_else(|e| panic!("{}: no {f}: {e}", m.name));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn cuda_memory_round_trips_and_allows_empty_buffers() {
     let Some(cu) = cuda() else { return };
     let mem = cu.memory();

@@ -42,6 +42,7 @@ use crate::api::{
 use crate::choice::{EagerKernel, RingKernel};
 use crate::cpu::validate::{check_accepted, check_layer, validate_call, CallArgs, Op};
 use crate::error::{KernelError, Result};
+use crate::precompile::GpuArch;
 
 type Buf = CudaBuffer;
 
@@ -93,6 +94,7 @@ pub struct CudaBackend {
     num_sms: u32,
     /// Dynamic shared memory one CTA may opt in to, bytes.
     smem_optin: usize,
+    arch: GpuArch,
     device_name: String,
 }
 
@@ -169,6 +171,10 @@ impl CudaBackend {
             .compute_capability()
             .map_err(|e| unavailable(format!("compute capability: {e}")))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let arch = match (u32::try_from(major), u32::try_from(minor)) {
+            (Ok(major), Ok(minor)) => GpuArch { major, minor },
+            _ => return Err(unavailable(format!("compute capability {major}.{minor}"))),
+        };
         Ok(Self {
             ctx,
             mem,
@@ -182,6 +188,7 @@ impl CudaBackend {
             has_bulk_copies: major >= 9,
             num_sms,
             smem_optin,
+            arch,
             device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
         })
     }
@@ -189,6 +196,12 @@ impl CudaBackend {
     /// The device's name, compute capability and multiprocessor count.
     pub fn device_name(&self) -> &str {
         &self.device_name
+    }
+
+    /// The device's architecture, the one its kernel modules compile for (and
+    /// [`crate::precompile`] may compile them for ahead of time).
+    pub fn arch(&self) -> GpuArch {
+        self.arch
     }
 
     /// Compiles and loads, several at a time, the kernels that calls on layers of these

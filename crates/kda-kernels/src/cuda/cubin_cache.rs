@@ -48,7 +48,8 @@ impl CubinCache {
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    fn path(&self, key: &str) -> PathBuf {
+    /// The file of `key`'s CUBIN.
+    pub(crate) fn path(&self, key: &str) -> PathBuf {
         self.dir.join(format!("{key}.cubin"))
     }
 
@@ -59,9 +60,14 @@ impl CubinCache {
             .filter(|b| b.starts_with(ELF_MAGIC))
     }
 
+    /// Stores `cubin` as `key`'s (replacing any file there).
+    pub(crate) fn store(&self, key: &str, cubin: &[u8]) -> std::io::Result<()> {
+        write_whole(&self.dir, &self.path(key), cubin)
+    }
+
     /// Stores `cubin` as `key`'s (replacing any file there); a failure is only logged.
     pub(crate) fn put(&self, key: &str, cubin: &[u8]) {
-        if let Err(e) = write_whole(&self.dir, &self.path(key), cubin) {
+        if let Err(e) = self.store(key, cubin) {
             tracing::warn!(
                 "{CACHE_ENV}: could not store a kernel module in {}: {e}",
                 self.dir.display()

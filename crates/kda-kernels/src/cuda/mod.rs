@@ -1,7 +1,8 @@
 //! The CUDA backend (feature `cuda`): cudarc for the driver, NVRTC for the kernels of the
 //! top-level `kernels/` directory. Layers:
 //! - [`memory`]: [`CudaMemory`], the pool's device memory ([`state_pool::DeviceMemory`]);
-//! - `registry`: the lazy NVRTC kernel registry (compiled once per process and device);
+//! - `registry`: the lazy NVRTC kernel registry (compiled once per process and device, or
+//!   ahead of time into the module cache: [`crate::precompile`]);
 //! - `kernel`: a loaded kernel with the driver's launch answers about it, asked once;
 //! - `params`: the kernel parameter block;
 //! - `lanes`, `eager_plan`, `ring_plan`: the kernels' lane geometry and the launch plans (pure
@@ -25,3 +26,17 @@ pub mod timing;
 pub use backend::{CudaBackend, CudaBatch};
 pub use memory::{CudaBuffer, CudaMemory};
 pub use timing::CapturedGraph;
+
+/// [`crate::precompile`] on this backend: the modules of `geometries` (input dtype: each
+/// geometry's `ring_dtype`, as [`CudaBackend::warm_up`]) and the fill module.
+pub(crate) fn precompile_modules(
+    dir: &std::path::Path,
+    arch: crate::precompile::GpuArch,
+    geometries: &[state_pool::PoolGeometry],
+) -> crate::Result<Vec<crate::precompile::PrecompiledModule>> {
+    let keys: Vec<registry::StepKey> = geometries
+        .iter()
+        .map(|g| registry::StepKey::of(g, g.ring_dtype))
+        .collect();
+    registry::precompile(dir, arch, &keys)
+}

@@ -7,6 +7,7 @@
 //! module's slot, so different modules compile at the same time.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -21,6 +22,7 @@ use super::kernel::Kernel;
 use super::nvrtc::{compile_cubin, nvrtc_version, CodeKind};
 use crate::choice::RingKernel;
 use crate::error::{KernelError, Result};
+use crate::precompile::{GpuArch, PrecompiledModule};
 
 const COMPAT: &str = include_str!("../../../../kernels/kda_compat.cuh");
 const COMMON: &str = include_str!("../../../../kernels/kda_common.cuh");
@@ -229,11 +231,7 @@ fn load_cubin(
         return load(compile_now()?).map_err(load_err);
     };
     let version = nvrtc_version().map_err(unavailable)?;
-    let key = CubinCache::key(&[
-        src.as_bytes(),
-        options.join("\n").as_bytes(),
-        version.as_bytes(),
-    ]);
+    let key = cache_key(src, options, &version);
     if let Some(cubin) = cache.get(&key) {
         match load(cubin) {
             Ok(m) => return Ok(m),
@@ -247,18 +245,21 @@ fn load_cubin(
     load(cubin).map_err(load_err)
 }
 
-/// Compiles one module and loads the named functions from it.
-fn compile(
-    ctx: &Arc<CudaContext>,
-    src: &str,
-    name: &str,
-    funcs: &[&str],
-) -> Result<Vec<CudaFunction>> {
-    let (major, minor) = ctx
-        .compute_capability()
-        .map_err(|e| unavailable(format!("compute capability: {e}")))?;
-    // the CUDA headers (cuda_fp16.h ...) where a toolkit has them; one option list for both
-    // kinds of code (CompileOptions would spell the same flags)
+/// The key of a module's CUBIN in the module cache: everything that decides its bytes (the
+/// source, NVRTC's options, NVRTC's version).
+fn cache_key(src: &str, options: &[String], version: &str) -> String {
+    CubinCache::key(&[
+        src.as_bytes(),
+        options.join("\n").as_bytes(),
+        version.as_bytes(),
+    ])
+}
+
+/// NVRTC's options for a module of a device of compute capability `major.minor`: the CUDA
+/// headers (cuda_fp16.h ...) where this machine's toolkit has them (`CUDA_PATH`, `CUDA_HOME`,
+/// /usr/local/cuda), the architecture, C++17. One option list for both kinds of code
+/// (CompileOptions would spell the same flags).
+fn nvrtc_options(major: u32, minor: u32) -> Vec<String> {
     let mut options: Vec<String> = [
         std::env::var("CUDA_PATH").ok(),
         std::env::var("CUDA_HOME").ok(),
@@ -275,6 +276,23 @@ fn compile(
         format!("--gpu-architecture=sm_{major}{minor}"),
         "--std=c++17".to_string(),
     ]);
+    options
+}
+
+/// Compiles one module and loads the named functions from it.
+fn compile(
+    ctx: &Arc<CudaContext>,
+    src: &str,
+    name: &str,
+    funcs: &[&str],
+) -> Result<Vec<CudaFunction>> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| unavailable(format!("compute capability: {e}")))?;
+    let arch = |x: i32| {
+        u32::try_from(x).map_err(|_| unavailable(format!("compute capability {major}.{minor}")))
+    };
+    let options = nvrtc_options(arch(major)?, arch(minor)?);
     let module = match CodeKind::from_env().map_err(unavailable)? {
         CodeKind::Cubin => load_cubin(ctx, src, name, &options)?,
         CodeKind::Ptx => {
@@ -304,20 +322,9 @@ fn compile(
         .collect()
 }
 
-/// The kernels of module `mk`, compiled and loaded on first use. The cache's lock is held only
-/// to find the module's slot; the compile holds that slot alone, so a caller waits only for the
-/// module it needs.
-fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
-    let slot = cache()
-        .lock()
-        .entry((ctx.ordinal(), mk))
-        .or_default()
-        .clone();
-    let mut loaded = slot.lock();
-    if let Some(fs) = loaded.as_ref() {
-        return Ok(fs.clone());
-    }
-    let (keys, name, src) = match mk {
+/// The kernels of module `mk`, its program name and its source.
+fn module_source(mk: ModuleKey) -> (Vec<Key>, String, String) {
+    match mk {
         ModuleKey::Step(k) => (
             step_module(k).to_vec(),
             format!(
@@ -335,7 +342,23 @@ fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
             "kda_fill.cu".to_string(),
             source("", FILL),
         ),
-    };
+    }
+}
+
+/// The kernels of module `mk`, compiled and loaded on first use. The cache's lock is held only
+/// to find the module's slot; the compile holds that slot alone, so a caller waits only for the
+/// module it needs.
+fn module(ctx: &Arc<CudaContext>, mk: ModuleKey) -> Result<Functions> {
+    let slot = cache()
+        .lock()
+        .entry((ctx.ordinal(), mk))
+        .or_default()
+        .clone();
+    let mut loaded = slot.lock();
+    if let Some(fs) = loaded.as_ref() {
+        return Ok(fs.clone());
+    }
+    let (keys, name, src) = module_source(mk);
     let entries: Vec<&str> = keys.iter().map(|k| k.entry()).collect();
     let fs: Functions = Arc::new(
         keys.into_iter()
@@ -365,6 +388,63 @@ fn get(ctx: &Arc<CudaContext>, key: Key) -> Result<Kernel> {
         .find(|(k, _)| *k == key)
         .map(|(_, f)| f.clone())
         .ok_or_else(|| unavailable(format!("no kernel for {key:?} in its module")))
+}
+
+/// Compiles the `kda_step` modules of `keys` (each once) and the fill module for `arch` into
+/// the module cache at `dir`, under the keys `load_cubin` looks up (`crate::precompile`); a
+/// module whose file is there already is kept. NVRTC only: no context.
+pub(crate) fn precompile(
+    dir: &Path,
+    arch: GpuArch,
+    keys: &[StepKey],
+) -> Result<Vec<PrecompiledModule>> {
+    // SAFETY: only tries to open the shared library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(unavailable(
+            "no NVRTC library (libnvrtc) on the loader's path".to_string(),
+        ));
+    }
+    let version = nvrtc_version().map_err(unavailable)?;
+    let options = nvrtc_options(arch.major, arch.minor);
+    let cache = CubinCache::at(dir.to_path_buf());
+    let mut modules: Vec<ModuleKey> = Vec::new();
+    for m in keys
+        .iter()
+        .map(|&k| ModuleKey::Step(k))
+        .chain([ModuleKey::Fill])
+    {
+        if !modules.contains(&m) {
+            modules.push(m);
+        }
+    }
+    modules
+        .par_iter()
+        .map(|&mk| {
+            let (_, name, src) = module_source(mk);
+            let key = cache_key(&src, &options, &version);
+            let (cached, bytes) = match cache.get(&key) {
+                Some(cubin) => (true, cubin.len()),
+                None => {
+                    let cubin = compile_cubin(&src, &name, &options).map_err(|e| {
+                        unavailable(format!("NVRTC failed to compile {name} for {arch}: {e}"))
+                    })?;
+                    cache.store(&key, &cubin).map_err(|e| {
+                        KernelError::arg(
+                            "dir",
+                            format!("cannot store {name} in {}: {e}", dir.display()),
+                        )
+                    })?;
+                    (false, cubin.len())
+                }
+            };
+            Ok(PrecompiledModule {
+                name,
+                path: cache.path(&key),
+                cached,
+                bytes,
+            })
+        })
+        .collect()
 }
 
 /// Compiles and loads the `kda_step` modules of `keys` that are not loaded yet, in parallel
@@ -531,6 +611,84 @@ mod tests {
                 "kda_ring_delta_staged"
             ]
         );
+    }
+
+    /// A fresh, empty directory path for one test.
+    fn fresh_dir(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("kda-precompile-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn precompile_stores_each_module_once_under_the_key_the_registry_looks_up() {
+        // SAFETY: only tries to open the shared library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: no NVRTC library on this machine");
+            return;
+        }
+        let dir = fresh_dir("keys");
+        let arch = GpuArch { major: 9, minor: 0 };
+        let key = StepKey {
+            state: Dtype::Fp16,
+            input: Dtype::Bf16,
+            layout: StateLayout::KFirst,
+            k: 32,
+            v: 48,
+        };
+        // the same module twice: compiled once
+        let first = precompile(&dir, arch, &[key, key]).expect("precompiles");
+        let names: Vec<&str> = first.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["kda_decode_fp16_bf16_kfirst_k32_v48.cu", "kda_fill.cu"]
+        );
+        let version = nvrtc_version().unwrap();
+        for (m, mk) in first.iter().zip([ModuleKey::Step(key), ModuleKey::Fill]) {
+            assert!(!m.cached, "{}: nothing was there", m.name);
+            // the file `load_cubin` looks for on an sm_90 device with this machine's NVRTC
+            let (_, _, src) = module_source(mk);
+            let want = cache_key(&src, &nvrtc_options(9, 0), &version);
+            assert_eq!(m.path, dir.join(format!("{want}.cubin")), "{}", m.name);
+            let bytes = std::fs::read(&m.path).expect("the module's file");
+            assert!(
+                bytes.starts_with(b"\x7fELF") && bytes.len() == m.bytes,
+                "{}",
+                m.name
+            );
+        }
+        // a second run finds every module and compiles none
+        let second = precompile(&dir, arch, &[key]).expect("precompiles");
+        assert!(second.iter().all(|m| m.cached), "{second:?}");
+        let strip = |v: &[PrecompiledModule]| {
+            v.iter()
+                .map(|m| (m.name.clone(), m.path.clone(), m.bytes))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(strip(&second), strip(&first));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn precompile_into_a_directory_that_cannot_be_written_names_the_directory() {
+        // SAFETY: only tries to open the shared library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: no NVRTC library on this machine");
+            return;
+        }
+        // a file where the directory should be (only the fill module: no step keys)
+        let blocker = fresh_dir("blocked");
+        std::fs::write(&blocker, b"not a directory").unwrap();
+        let dir = blocker.join("cache");
+        let e = precompile(&dir, GpuArch { major: 9, minor: 0 }, &[]).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(e, KernelError::InvalidArgument { arg: "dir", .. })
+                && msg.contains("kda_fill.cu")
+                && msg.contains(&dir.display().to_string()),
+            "{msg}"
+        );
+        let _ = std::fs::remove_file(&blocker);
     }
 
     #[test]
