@@ -470,7 +470,7 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     } else {
         cp_async_wait<0>();
     }
-    __syncwarp();
+    KDA_SYNCWARP();
     float* ka = reinterpret_cast<float*>(dsm + Z.ka);
     float* da = reinterpret_cast<float*>(dsm + Z.da);
     for (int j = warp; j < pend; j += RT / 32) {
@@ -538,7 +538,7 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
             for (int i = 0; i < KR; ++i) pr[i] *= dj[i];
         }
         split_store(pk, lane, pr);
-        __syncwarp();
+        KDA_SYNCWARP();
         tile_scale_rows(s, pk, lk);
         for (int j = pend - 1; j >= 0; --j) {
             float kj[KR], dj[KR], ek[KR];
@@ -549,9 +549,9 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
                 ek[i] = rk[i] * kj[i];
                 rk[i] *= dj[i];
             }
-            __syncwarp();
+            KDA_SYNCWARP();
             split_store(pk, lane, ek);
-            __syncwarp();
+            KDA_SYNCWARP();
             tile_add_outer(s, pk, ua + j * V + col0l, lk);
         }
         store_tile<false, true>(head, lk, col0l, s, 0u, elem0);
@@ -565,12 +565,12 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     float x[KR];
 #pragma unroll
     for (int i = 0; i < KR; ++i) x[i] = rr[i] * kt[i];
-    __syncwarp();
+    KDA_SYNCWARP();
     split_store(pk, lane, x);
 #pragma unroll
     for (int i = 0; i < KR; ++i) x[i] = rr[i] * qt[i];
     split_store(pq, lane, x);
-    __syncwarp();
+    KDA_SYNCWARP();
     float ak[TV], aq[TV];
 #pragma unroll
     for (int c = 0; c < TV; ++c) ak[c] = aq[c] = 0.0f;
@@ -853,7 +853,7 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
                 }
             }
             // every lane of a column group reads the vectors its k lanes wrote
-            __syncwarp();
+            KDA_SYNCWARP();
         }
         if (!store && pl.append_at != KDA_NONE && nnew > 0)
             tile_append(dsm, L, p, slot, pl.append_at, bos, nnew, h, hv, group, cb, cwv, gran, entry);

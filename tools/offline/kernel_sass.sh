@@ -40,19 +40,8 @@ build() {
     done
     for v in "${variants[@]}"; do
         read -r st it vf <<<"$v"
-        local bytes=2
-        [ "$st" = float ] && bytes=4
         local tu="$out/$st-$vf.cu"
-        {
-            cat "$src/kda_compat.cuh"
-            grep -v '#include "kda_' "$src/kda_common.cuh"
-            printf '#define KDA_ST %s\n#define KDA_ST_BYTES %s\n#define KDA_IT %s\n#define KDA_K 128\n#define KDA_V 128\n#define KDA_VFIRST %s\n' \
-                "$st" "$bytes" "$it" "$vf"
-            grep -v '#include "kda_' "$src/kda_decode.cu"
-            grep -v '#include "kda_' "$src/kda_ring.cu"
-            grep -v '#include "kda_' "$src/kda_ring_mma.cu"
-            grep -v '#include "kda_' "$src/kda_ring_delta.cu"
-        } >"$tu"
+        tools/offline/kernel_tu.sh "$src" "$st" "$it" "$vf" >"$tu"
         "$cu/bin/nvcc" -cubin -arch=sm_90 -std=c++17 -I"$cu/include" -Xptxas -v -diag-suppress 128 \
             -o "${tu%.cu}.cubin" "$tu" >"${tu%.cu}.log" 2>&1 || { cat "${tu%.cu}.log"; exit 1; }
     done

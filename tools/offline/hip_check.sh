@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+#   tools/offline/hip_check.sh [ARCH]      (default gfx90a)
+# Compiles the kernel sources with hipcc for an AMD GPU (device code, -O3), in the variants of
+# kernel_sass.sh plus fp16 inputs, to keep "one source for CUDA and HIP" (kernels/kda_compat.cuh)
+# true: says per variant whether it compiles, with the first errors. A compile check only: no
+# HIP backend loads or runs these modules yet, and nothing here checks what they compute (AMD's
+# 64-lane waves included). Needs hipcc (Debian 12 / Ubuntu 24.04: `apt-get install hipcc`,
+# ROCm 5.2; no GPU needed). ROCm before 5.7 has no hip/hip_bf16.h: then a stand-in with the
+# four names kda_compat.cuh uses is put on the include path (bit casts, and conversions that
+# round to nearest even) and the output says so.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+arch=${1:-gfx90a}
+command -v hipcc >/dev/null || { echo "no hipcc (apt-get install hipcc)" >&2; exit 2; }
+export HIP_PLATFORM=amd
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+inc=()
+echo '#include <hip/hip_bf16.h>' >"$tmp/probe.hip"
+if ! hipcc -E -x hip "$tmp/probe.hip" -o /dev/null 2>/dev/null; then
+    mkdir -p "$tmp/inc/hip"
+    cat >"$tmp/inc/hip/hip_bf16.h" <<'H'
+#pragma once
+struct __hip_bfloat16 { unsigned short data; };
+__device__ inline float __bfloat162float(__hip_bfloat16 h) { return __uint_as_float(((unsigned)h.data) << 16); }
+__device__ inline __hip_bfloat16 __float2bfloat16(float f) {
+    unsigned u = __float_as_uint(f);
+    __hip_bfloat16 h;
+    h.data = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 0x40u)
+                                              : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return h;
+}
+__device__ inline __hip_bfloat16 __ushort_as_bfloat16(unsigned short b) { __hip_bfloat16 h; h.data = b; return h; }
+__device__ inline unsigned short __bfloat16_as_ushort(__hip_bfloat16 h) { return h.data; }
+H
+    inc=(-I"$tmp/inc")
+    echo "note: this ROCm has no hip/hip_bf16.h; compiling with a stand-in for its four names"
+fi
+fails=0
+for v in "float float 0" "kda_half kda_bf16 0" "kda_bf16 kda_bf16 0" "float float 1" "kda_half kda_bf16 1" \
+    "kda_half kda_half 0"; do
+    read -r st it vf <<<"$v"
+    tu="$tmp/$st-$it-$vf.hip"
+    tools/offline/kernel_tu.sh kernels "$st" "$it" "$vf" >"$tu"
+    tag="$st state, $it inputs, $([ "$vf" = 1 ] && echo V-first || echo K-first)"
+    if hipcc "${inc[@]}" --offload-arch="$arch" --offload-device-only -c -O3 -std=c++17 \
+        -Wno-pragma-once-outside-header -o "${tu%.hip}.o" "$tu" >"${tu%.hip}.log" 2>&1; then
+        echo "$tag: compiles for $arch"
+    else
+        echo "$tag: FAILS for $arch"
+        grep -m 5 'error:' "${tu%.hip}.log" || tail -5 "${tu%.hip}.log"
+        fails=$((fails + 1))
+    fi
+done
+[ "$fails" -eq 0 ]
