@@ -613,6 +613,16 @@ mod tests {
         );
     }
 
+    /// Whether the NVRTC library opens here; if not, says the test is skipped.
+    fn nvrtc_here() -> bool {
+        // SAFETY: only tries to open the shared library.
+        let here = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        if !here {
+            eprintln!("skipped: no NVRTC library on this machine");
+        }
+        here
+    }
+
     /// A fresh, empty directory path for one test.
     fn fresh_dir(name: &str) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("kda-precompile-{name}-{}", std::process::id()));
@@ -622,9 +632,7 @@ mod tests {
 
     #[test]
     fn precompile_stores_each_module_once_under_the_key_the_registry_looks_up() {
-        // SAFETY: only tries to open the shared library.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            eprintln!("skipped: no NVRTC library on this machine");
+        if !nvrtc_here() {
             return;
         }
         let dir = fresh_dir("keys");
@@ -671,9 +679,7 @@ mod tests {
 
     #[test]
     fn precompile_into_a_directory_that_cannot_be_written_names_the_directory() {
-        // SAFETY: only tries to open the shared library.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            eprintln!("skipped: no NVRTC library on this machine");
+        if !nvrtc_here() {
             return;
         }
         // a file where the directory should be (only the fill module: no step keys)
