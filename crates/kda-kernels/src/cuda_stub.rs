@@ -61,7 +61,17 @@ impl CudaBuffer {
     pub fn is_empty(&self) -> bool {
         match *self {}
     }
+    /// Whether the buffer is borrowed device memory.
+    pub fn is_borrowed(&self) -> bool {
+        match *self {}
+    }
 }
+
+/// A raw CUDA stream handle (`CUstream`, `cudaStream_t`).
+pub type RawStream = *mut std::ffi::c_void;
+
+/// The alignment of borrowed device memory (as the CUDA backend's).
+pub const BORROW_ALIGN: u64 = 16;
 
 impl CapturedGraph {
     /// Enqueues one replay of the graph.
@@ -71,6 +81,14 @@ impl CapturedGraph {
 }
 
 impl CudaMemory {
+    /// A buffer over device memory another library owns.
+    ///
+    /// # Safety
+    ///
+    /// As the CUDA backend's (no value of this type exists).
+    pub unsafe fn borrow(&self, _ptr: u64, _len: usize) -> Result<CudaBuffer> {
+        match *self {}
+    }
     /// A buffer holding a copy of `bytes`.
     pub fn upload(&self, _bytes: &[u8]) -> state_pool::Result<CudaBuffer> {
         match *self {}
@@ -126,6 +144,18 @@ impl CudaBackend {
     /// Always [`KernelError::Unavailable`]: built without the `cuda` feature.
     pub fn on_device(_ordinal: usize) -> Result<Self> {
         Err(not_built())
+    }
+    /// Always [`KernelError::Unavailable`]: built without the `cuda` feature.
+    ///
+    /// # Safety
+    ///
+    /// None needed here; the CUDA backend's asks for a live stream of the device.
+    pub unsafe fn on_stream(_ordinal: usize, _stream: RawStream) -> Result<Self> {
+        Err(not_built())
+    }
+    /// The stream the backend runs on.
+    pub fn raw_stream(&self) -> RawStream {
+        match *self {}
     }
     /// The device's description.
     pub fn device_name(&self) -> &str {

@@ -1371,6 +1371,147 @@ fn cuda_precompiled_modules_load_on_the_device_with_their_kernels() {
 }
 
 #[test]
+fn cuda_decode_on_an_engine_stream_through_borrowed_buffers_gives_the_bits_of_the_owned_path() {
+    let Some(cu) = cuda() else { return };
+    use cudarc::driver::{CudaSlice, DevicePtr};
+    use kda_kernels::cuda::CudaBuffer;
+    use kda_kernels::{StepInputs, TensorView};
+    // the "engine": a stream of its own on device 0's primary context and its own allocations
+    let ectx = cudarc::driver::CudaContext::new(0).expect("device 0");
+    let es = ectx.new_stream().expect("the engine's stream");
+    // SAFETY: `es` is a live stream of device 0's primary context; it is declared before `eng`,
+    // so it outlives the backend, and the stream is synchronised before anything is dropped.
+    let eng = unsafe { CudaBackend::on_stream(0, es.cu_stream().cast()) }.expect("on_stream");
+    assert_eq!(eng.raw_stream(), es.cu_stream().cast::<std::ffi::c_void>());
+    // 2-byte K-first eager decode of 16 sequences x 8 value heads, fresh random inputs
+    let slots: Vec<u32> = (0..16u32).map(|i| 3 * i + 1).collect();
+    let c = eager_case(Dtype::Fp16, StateLayout::KFirst, Rounding::Nearest, &slots);
+    let mut rng = StdRng::seed_from_u64(0x5eed_0000_0000_0050);
+    let init = initial_states(&c, &mut rng);
+    let mut owned = layer_with_states(&cu, &c, &init, &mut rng.clone());
+    let mut engine_layer = layer_with_states(&eng, &c, &init, &mut rng.clone());
+    let bounds: Vec<usize> = (0..=slots.len()).collect();
+    let host = HostInputs::random(&mut rng, c.dims(), slots.len(), &c.opts, c.input_dtype);
+    // the owned path, the suite's usual one (the backend's own stream and buffers)
+    let want = run_tokens(
+        &cu,
+        &mut owned,
+        TokenOp::Decode,
+        &bounds,
+        &slots,
+        &host,
+        &c.opts,
+    )
+    .expect("owned call");
+    let want_states = owned.read_states(cu.memory(), &slots).expect("read");
+    // the engine's tensors: each input staged in an engine allocation, then copied on the
+    // engine's stream into the tensor the call borrows, with no host synchronisation before
+    // the call (only the shared stream orders the copies before the kernel)
+    let d = c.input_dtype;
+    let tensor = |values: &[f32], dtype: Dtype| -> (CudaSlice<u8>, CudaSlice<u8>, usize) {
+        let bytes = dtype.encode_f32(values);
+        let staged = es.clone_htod(&bytes).expect("stage");
+        let t = es.alloc_zeros::<u8>(bytes.len()).expect("alloc");
+        (staged, t, values.len())
+    };
+    let mut ts = vec![
+        tensor(&host.q, d),
+        tensor(&host.k, d),
+        tensor(&host.v, d),
+        tensor(&host.g, d),
+        tensor(&host.beta, d),
+        tensor(&host.a_log, Dtype::Fp32),
+        tensor(&host.dt_bias, Dtype::Fp32),
+    ];
+    let out_len = slots.len() * c.hv * c.v;
+    let out_t = es
+        .clone_htod(&vec![0xffu8; out_len * d.size()])
+        .expect("poisoned output");
+    let borrow = |t: &CudaSlice<u8>| -> CudaBuffer {
+        let (ptr, _) = t.device_ptr(&es);
+        // SAFETY: the engine's allocation, alive until the end of the test, after the stream
+        // is synchronised; every use of it is on the engine's stream.
+        unsafe { eng.memory().borrow(ptr, t.len()) }.expect("an aligned allocation")
+    };
+    for (staged, t, _) in &mut ts {
+        es.memcpy_dtod(&*staged, t).expect("the engine's copy");
+    }
+    let bufs: Vec<CudaBuffer> = ts.iter().map(|(_, t, _)| borrow(t)).collect();
+    let mut out_buf = borrow(&out_t);
+    assert!(bufs.iter().all(CudaBuffer::is_borrowed) && out_buf.is_borrowed());
+    let view = |i: usize, dtype: Dtype| TensorView {
+        buf: &bufs[i],
+        dtype,
+        len: ts[i].2,
+    };
+    let gate = c.opts.needs_gate_params();
+    let inputs = StepInputs {
+        q: view(0, d),
+        k: view(1, d),
+        v: view(2, d),
+        g: view(3, d),
+        beta: view(4, d),
+        a_log: gate.then(|| view(5, Dtype::Fp32)),
+        dt_bias: gate.then(|| view(6, Dtype::Fp32)),
+    };
+    let batch = eng
+        .prepare(batch_plan(&bounds, &slots).unwrap())
+        .expect("batch");
+    let mut out = TensorViewMut {
+        buf: &mut out_buf,
+        dtype: d,
+        len: out_len,
+    };
+    eng.enqueue_decode(&batch, &inputs, &c.opts, &mut engine_layer.view(), &mut out)
+        .expect("engine call");
+    // the engine's next work on its stream sees the outputs: a copy of them, then one wait
+    let mut copied = es.alloc_zeros::<u8>(out_t.len()).expect("alloc");
+    es.memcpy_dtod(&out_t, &mut copied)
+        .expect("the engine's copy");
+    es.synchronize().expect("the engine's stream");
+    eng.check_device_errors().expect("no device error");
+    let got = d.decode_f32(&es.clone_dtoh(&copied).expect("download"));
+    assert_bits_eq(
+        &got,
+        &want,
+        "outputs through borrowed buffers on the engine's stream",
+    );
+    let got_states = engine_layer
+        .read_states(eng.memory(), &slots)
+        .expect("read");
+    assert_bits_eq(&got_states, &want_states, "states");
+    // the memory's own copies on a borrowed buffer: write, read back, zero
+    let probe: Vec<u8> = (0..out_t.len()).map(|i| (i * 7 + 3) as u8).collect();
+    eng.memory().write(&mut out_buf, 0, &probe).expect("write");
+    let mut back = vec![0u8; probe.len()];
+    eng.memory().read(&out_buf, 0, &mut back).expect("read");
+    assert_eq!(back, probe);
+    eng.memory().zero(&mut out_buf, 8, 16).expect("zero");
+    eng.memory().read(&out_buf, 0, &mut back).expect("read");
+    assert!(
+        back[8..24].iter().all(|&b| b == 0) && back[..8] == probe[..8] && back[24..] == probe[24..]
+    );
+    es.synchronize().expect("the engine's stream");
+}
+
+#[test]
+fn cuda_borrowing_refuses_a_misaligned_or_null_address() {
+    let Some(cu) = cuda() else { return };
+    for (ptr, len) in [(0u64, 64usize), (0x1000 + 8, 64)] {
+        // SAFETY: refused before anything could use the address.
+        let e = unsafe { cu.memory().borrow(ptr, len) }.unwrap_err();
+        assert!(
+            matches!(e, KernelError::InvalidArgument { arg: "ptr", .. })
+                && e.to_string().contains(&format!("{ptr:#x}")),
+            "{e}"
+        );
+    }
+    // SAFETY: an empty buffer touches no memory.
+    let empty = unsafe { cu.memory().borrow(0, 0) }.expect("empty");
+    assert!(empty.is_empty());
+}
+
+#[test]
 fn cuda_memory_round_trips_and_allows_empty_buffers() {
     let Some(cu) = cuda() else { return };
     let mem = cu.memory();

@@ -68,6 +68,10 @@ impl AsRef<BatchPlan> for CudaBatch {
     }
 }
 
+/// A raw CUDA stream handle (`CUstream`, `cudaStream_t`), as [`CudaBackend::on_stream`] takes
+/// and [`CudaBackend::raw_stream`] gives it.
+pub type RawStream = *mut std::ffi::c_void;
+
 /// The CUDA backend: one device, one stream, kernels compiled with NVRTC on first use.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -124,9 +128,45 @@ impl CudaBackend {
         Self::on_device(0)
     }
 
-    /// The backend on device `ordinal`. No driver, no device, no NVRTC or a `KDA_CUDA_CODE`
-    /// other than `cubin` or `ptx` is [`KernelError::Unavailable`].
+    /// The backend on device `ordinal`, on a stream of its own. No driver, no device, no NVRTC
+    /// or a `KDA_CUDA_CODE` other than `cubin` or `ptx` is [`KernelError::Unavailable`].
     pub fn on_device(ordinal: usize) -> Result<Self> {
+        Self::open(ordinal, |ctx| {
+            ctx.new_stream()
+                .map_err(|e| unavailable(format!("stream: {e}")))
+        })
+    }
+
+    /// The backend on device `ordinal`, running all its work (kernels, and the copies of its
+    /// memory) on `stream`, a CUDA stream that another library owns: a serving engine's (for
+    /// PyTorch, `torch.cuda.current_stream().cuda_stream`), so the KDA calls are ordered with
+    /// the engine's kernels on that stream, with no host synchronisation and no events. Null is
+    /// the legacy default stream. Errors as [`CudaBackend::on_device`].
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of device `ordinal`'s primary context (the context the
+    /// CUDA runtime, and PyTorch, use) and stay alive while the backend, its memory or any of
+    /// its buffers is used, including by work still queued on it.
+    pub unsafe fn on_stream(ordinal: usize, stream: RawStream) -> Result<Self> {
+        Self::open(ordinal, |ctx| {
+            // SAFETY: the caller's promise above.
+            Ok(unsafe { ctx.wrap_borrowed_stream(stream.cast()) })
+        })
+    }
+
+    /// The stream the backend runs on (its own, or the one [`CudaBackend::on_stream`] took):
+    /// an engine may enqueue its own work there, or record events on it, to order it with the
+    /// KDA calls.
+    pub fn raw_stream(&self) -> RawStream {
+        self.stream().cu_stream().cast()
+    }
+
+    /// The backend on device `ordinal` with the stream `make_stream` gives for its context.
+    fn open(
+        ordinal: usize,
+        make_stream: impl FnOnce(&Arc<CudaContext>) -> Result<Arc<CudaStream>>,
+    ) -> Result<Self> {
         // what NVRTC will hand the driver, checked before anything is loaded
         CodeKind::from_env().map_err(unavailable)?;
         // SAFETY: only tries to open the shared libraries; no CUDA call is made.
@@ -149,12 +189,11 @@ impl CudaBackend {
         .map_err(|_| unavailable("the CUDA driver library lacks a needed function"))??;
         // One stream for everything: no cross-stream events needed (and none may be recorded
         // inside a graph capture).
-        // SAFETY: every buffer of this backend is used on the single stream created below, so
-        // no cross-stream synchronisation is needed.
+        // SAFETY: every buffer of this backend is used on the single stream made below, so
+        // no cross-stream synchronisation is needed (borrowed memory's other users are ordered
+        // with it by the caller: `CudaMemory::borrow`).
         unsafe { ctx.disable_event_tracking() };
-        let stream: Arc<CudaStream> = ctx
-            .new_stream()
-            .map_err(|e| unavailable(format!("stream: {e}")))?;
+        let stream = make_stream(&ctx)?;
         let mem = CudaMemory::new(stream);
         let err = mem.upload_slice(&[0u32, NO_SLOT, 0, 0])?;
         let num_sms =

@@ -1,22 +1,43 @@
 //! Device memory for the pool: [`CudaMemory`] implements [`state_pool::DeviceMemory`] over
-//! cudarc allocations on the backend's stream. All copies are ordered on that one stream; reads
-//! wait for it, so a read sees every kernel enqueued before it.
+//! cudarc allocations on the backend's stream, and over device memory another library owns
+//! ([`CudaMemory::borrow`]: a serving engine's tensors, read and written in place). All copies
+//! are ordered on that one stream; reads wait for it, so a read sees every kernel enqueued
+//! before it.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{result, CudaSlice, CudaStream, DevicePtr};
 use state_pool::memory::check_range;
 use state_pool::{DeviceMemory, PoolError};
 
-/// One device allocation. A 0-byte buffer holds no allocation (the driver refuses 0 bytes).
+use crate::error::{KernelError, Result};
+
+/// One device buffer: an allocation of its [`CudaMemory`] (freed with the buffer; a 0-byte
+/// buffer holds none, the driver refuses 0 bytes) or borrowed device memory
+/// ([`CudaMemory::borrow`], never freed here).
 pub struct CudaBuffer {
-    slice: Option<CudaSlice<u8>>,
+    storage: Storage,
     len: usize,
+}
+
+/// Where a [`CudaBuffer`]'s bytes are.
+enum Storage {
+    /// No bytes.
+    Empty,
+    /// An allocation of this memory.
+    Owned(CudaSlice<u8>),
+    /// Device memory of another owner, at this address.
+    Borrowed(u64),
 }
 
 impl std::fmt::Debug for CudaBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaBuffer({} bytes)", self.len)
+        let how = if matches!(self.storage, Storage::Borrowed(_)) {
+            ", borrowed"
+        } else {
+            ""
+        };
+        write!(f, "CudaBuffer({} bytes{how})", self.len)
     }
 }
 
@@ -31,17 +52,28 @@ impl CudaBuffer {
         self.len == 0
     }
 
+    /// Whether the buffer is borrowed device memory ([`CudaMemory::borrow`]).
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self.storage, Storage::Borrowed(_))
+    }
+
     /// The device address of the first byte (0 for an empty buffer).
     pub(crate) fn device_ptr(&self, stream: &CudaStream) -> u64 {
-        match &self.slice {
-            Some(s) => {
+        match &self.storage {
+            Storage::Owned(s) => {
                 let (ptr, _sync) = s.device_ptr(stream);
                 ptr
             }
-            None => 0,
+            Storage::Borrowed(ptr) => *ptr,
+            Storage::Empty => 0,
         }
     }
 }
+
+/// The alignment of borrowed device memory: the kernels read and write rows as 16-byte
+/// vectors and bulk copies, from addresses they take to be 16-byte aligned (the driver's
+/// allocations are 256-byte aligned).
+pub const BORROW_ALIGN: u64 = 16;
 
 /// The device memory of one CUDA context, used through one stream.
 #[derive(Clone)]
@@ -87,6 +119,54 @@ impl CudaMemory {
         self.read(buf, 0, &mut v)?;
         Ok(v)
     }
+
+    /// A buffer over the `len` bytes of device memory at `ptr`, which another library owns (a
+    /// serving engine's tensor: `data_ptr()` and its size in bytes), so the kernels read their
+    /// inputs from it and write their outputs into it in place, with no copy; the memory's
+    /// copies (`write`, `read`, `zero`, `copy_within`) work on it too. Dropping the buffer frees
+    /// nothing. `ptr` must be a multiple of [`BORROW_ALIGN`] (else
+    /// [`KernelError::InvalidArgument`], and no buffer); `len` 0 gives an empty buffer.
+    ///
+    /// # Safety
+    ///
+    /// `ptr .. ptr + len` must be device memory of this memory's device, valid for reads and
+    /// writes for as long as the buffer is used, including by work still queued on this
+    /// memory's stream; the caller orders any other work on those bytes with that stream (the
+    /// simplest: the engine's stream is the backend's, `CudaBackend::on_stream`).
+    pub unsafe fn borrow(&self, ptr: u64, len: usize) -> Result<CudaBuffer> {
+        if len == 0 {
+            return Ok(CudaBuffer {
+                storage: Storage::Empty,
+                len: 0,
+            });
+        }
+        if ptr == 0 || !ptr.is_multiple_of(BORROW_ALIGN) {
+            return Err(KernelError::arg(
+                "ptr",
+                format!(
+                    "{ptr:#x} is not accepted; expected a non-null device address that is a multiple of {BORROW_ALIGN}"
+                ),
+            ));
+        }
+        if ptr.checked_add(len as u64).is_none() {
+            return Err(KernelError::arg(
+                "len",
+                format!("{len} bytes from {ptr:#x} run past the end of the address space"),
+            ));
+        }
+        Ok(CudaBuffer {
+            storage: Storage::Borrowed(ptr),
+            len,
+        })
+    }
+
+    /// Binds the stream's context to this thread (the raw copies below need it current).
+    fn bind(&self, what: &str) -> state_pool::Result<()> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| mem_err(what, e))
+    }
 }
 
 impl DeviceMemory for CudaMemory {
@@ -99,7 +179,7 @@ impl DeviceMemory for CudaMemory {
     fn alloc_zeroed(&self, bytes: usize) -> state_pool::Result<CudaBuffer> {
         if bytes == 0 {
             return Ok(CudaBuffer {
-                slice: None,
+                storage: Storage::Empty,
                 len: 0,
             });
         }
@@ -108,7 +188,7 @@ impl DeviceMemory for CudaMemory {
             .alloc_zeros::<u8>(bytes)
             .map_err(|e| mem_err("alloc", e))?;
         Ok(CudaBuffer {
-            slice: Some(slice),
+            storage: Storage::Owned(slice),
             len: bytes,
         })
     }
@@ -119,47 +199,82 @@ impl DeviceMemory for CudaMemory {
 
     fn write(&self, dst: &mut CudaBuffer, offset: usize, src: &[u8]) -> state_pool::Result<()> {
         check_range("write", offset, src.len(), dst.len)?;
-        let Some(slice) = dst.slice.as_mut() else {
-            return Ok(());
-        };
         if src.is_empty() {
             return Ok(());
         }
-        let mut view = slice.slice_mut(offset..offset + src.len());
-        self.stream
-            .memcpy_htod(src, &mut view)
-            .map_err(|e| mem_err("write", e))?;
+        match &mut dst.storage {
+            Storage::Empty => return Ok(()),
+            Storage::Owned(slice) => {
+                let mut view = slice.slice_mut(offset..offset + src.len());
+                self.stream
+                    .memcpy_htod(src, &mut view)
+                    .map_err(|e| mem_err("write", e))?;
+            }
+            Storage::Borrowed(ptr) => {
+                self.bind("write")?;
+                // SAFETY: the range lies inside the borrowed bytes (checked above), which
+                // `borrow`'s caller keeps valid; the copy is ordered on this memory's stream and
+                // waited for below, before `src` may be reused.
+                unsafe {
+                    result::memcpy_htod_async(*ptr + offset as u64, src, self.stream.cu_stream())
+                }
+                .map_err(|e| mem_err("write", e))?;
+            }
+        }
         // A pageable source: wait, so the caller may reuse it at once.
         self.stream.synchronize().map_err(|e| mem_err("write", e))
     }
 
     fn read(&self, src: &CudaBuffer, offset: usize, dst: &mut [u8]) -> state_pool::Result<()> {
         check_range("read", offset, dst.len(), src.len)?;
-        let Some(slice) = src.slice.as_ref() else {
-            return Ok(());
-        };
         if dst.is_empty() {
             return Ok(());
         }
-        let view = slice.slice(offset..offset + dst.len());
-        self.stream
-            .memcpy_dtoh(&view, dst)
-            .map_err(|e| mem_err("read", e))?;
+        match &src.storage {
+            Storage::Empty => return Ok(()),
+            Storage::Owned(slice) => {
+                let view = slice.slice(offset..offset + dst.len());
+                self.stream
+                    .memcpy_dtoh(&view, dst)
+                    .map_err(|e| mem_err("read", e))?;
+            }
+            Storage::Borrowed(ptr) => {
+                self.bind("read")?;
+                // SAFETY: the range lies inside the borrowed bytes (checked above), which
+                // `borrow`'s caller keeps valid; `dst` is not touched until the stream is
+                // synchronised below.
+                unsafe {
+                    result::memcpy_dtoh_async(dst, *ptr + offset as u64, self.stream.cu_stream())
+                }
+                .map_err(|e| mem_err("read", e))?;
+            }
+        }
         self.stream.synchronize().map_err(|e| mem_err("read", e))
     }
 
     fn zero(&self, buf: &mut CudaBuffer, offset: usize, len: usize) -> state_pool::Result<()> {
         check_range("zero", offset, len, buf.len)?;
-        let Some(slice) = buf.slice.as_mut() else {
-            return Ok(());
-        };
         if len == 0 {
             return Ok(());
         }
-        let mut view = slice.slice_mut(offset..offset + len);
-        self.stream
-            .memset_zeros(&mut view)
-            .map_err(|e| mem_err("zero", e))
+        match &mut buf.storage {
+            Storage::Empty => Ok(()),
+            Storage::Owned(slice) => {
+                let mut view = slice.slice_mut(offset..offset + len);
+                self.stream
+                    .memset_zeros(&mut view)
+                    .map_err(|e| mem_err("zero", e))
+            }
+            Storage::Borrowed(ptr) => {
+                self.bind("zero")?;
+                // SAFETY: the range lies inside the borrowed bytes (checked above), which
+                // `borrow`'s caller keeps valid; ordered on this memory's stream.
+                unsafe {
+                    result::memset_d8_async(*ptr + offset as u64, 0, len, self.stream.cu_stream())
+                }
+                .map_err(|e| mem_err("zero", e))
+            }
+        }
     }
 
     fn copy_within(
@@ -182,12 +297,10 @@ impl DeviceMemory for CudaMemory {
             return Ok(());
         }
         let base = buf.device_ptr(&self.stream);
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| mem_err("copy", e))?;
-        // SAFETY: both ranges lie inside the allocation (checked above) and do not overlap; the
-        // copy is ordered on the stream every other use of the buffer goes through.
+        self.bind("copy")?;
+        // SAFETY: both ranges lie inside the buffer's bytes (checked above: an allocation, or
+        // borrowed bytes that `borrow`'s caller keeps valid) and do not overlap; the copy is
+        // ordered on the stream every other use of the buffer goes through.
         unsafe {
             cudarc::driver::result::memcpy_dtod_async(
                 base + dst_offset as u64,

@@ -23,8 +23,8 @@ mod registry;
 mod ring_plan;
 pub mod timing;
 
-pub use backend::{CudaBackend, CudaBatch};
-pub use memory::{CudaBuffer, CudaMemory};
+pub use backend::{CudaBackend, CudaBatch, RawStream};
+pub use memory::{CudaBuffer, CudaMemory, BORROW_ALIGN};
 pub use timing::CapturedGraph;
 
 /// [`crate::precompile`] on this backend: the modules of `geometries` (input dtype: each
