@@ -146,8 +146,9 @@ impl CudaBackend {
     /// # Safety
     ///
     /// `stream` must be a live stream of device `ordinal`'s primary context (the context the
-    /// CUDA runtime, and PyTorch, use) and stay alive while the backend, its memory or any of
-    /// its buffers is used, including by work still queued on it.
+    /// CUDA runtime, and PyTorch, use) and stay alive until the backend, its memory and every
+    /// buffer of that memory (a pool's planes too: they are freed on this stream) are dropped
+    /// and the work queued on it has run.
     pub unsafe fn on_stream(ordinal: usize, stream: RawStream) -> Result<Self> {
         Self::open(ordinal, |ctx| {
             // SAFETY: the caller's promise above.
