@@ -46,6 +46,15 @@ fn not_built() -> KernelError {
     }
 }
 
+/// [`crate::precompile`] without the `cuda` feature: always [`KernelError::Unavailable`].
+pub(crate) fn precompile_modules(
+    _dir: &std::path::Path,
+    _arch: crate::precompile::GpuArch,
+    _geometries: &[PoolGeometry],
+) -> Result<Vec<crate::precompile::PrecompiledModule>> {
+    Err(not_built())
+}
+
 impl AsRef<BatchPlan> for CudaBatch {
     fn as_ref(&self) -> &BatchPlan {
         match *self {}

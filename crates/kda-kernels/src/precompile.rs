@@ -81,18 +81,7 @@ pub fn precompile(
     arch: GpuArch,
     geometries: &[PoolGeometry],
 ) -> Result<Vec<PrecompiledModule>> {
-    #[cfg(feature = "cuda")]
-    {
-        crate::cuda::precompile_modules(dir, arch, geometries)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (dir, arch, geometries);
-        Err(KernelError::Unavailable {
-            backend: "cuda",
-            reason: "built without the cuda feature".into(),
-        })
-    }
+    crate::cuda::precompile_modules(dir, arch, geometries)
 }
 
 #[cfg(test)]

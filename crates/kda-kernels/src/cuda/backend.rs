@@ -31,8 +31,8 @@ use super::params::{
     ERR_META, NO_SLOT,
 };
 use super::registry::{
-    eager_kernel, eager_tile_kernel, ring_kernel, ring_tile_kernel, step_kernel, warm_up, StepKey,
-    TileMove,
+    device_arch, eager_kernel, eager_tile_kernel, ring_kernel, ring_tile_kernel, step_kernel,
+    warm_up, StepKey, TileMove,
 };
 use super::ring_plan::{ring_choice, RingShape, RING_THREADS};
 use crate::api::{
@@ -207,14 +207,8 @@ impl CudaBackend {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(|e| unavailable(format!("device attribute: {e}")))? as usize;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| unavailable(format!("compute capability: {e}")))?;
+        let arch = device_arch(&ctx)?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let arch = match (u32::try_from(major), u32::try_from(minor)) {
-            (Ok(major), Ok(minor)) => GpuArch { major, minor },
-            _ => return Err(unavailable(format!("compute capability {major}.{minor}"))),
-        };
         Ok(Self {
             ctx,
             mem,
@@ -224,12 +218,12 @@ impl CudaBackend {
             eager_stages: Mutex::new(None),
             ring_kernel: Mutex::new(None),
             dependent_launch: Mutex::new(None),
-            has_dependent_launch: major >= 9,
-            has_bulk_copies: major >= 9,
+            has_dependent_launch: arch.major >= 9,
+            has_bulk_copies: arch.major >= 9,
             num_sms,
             smem_optin,
             arch,
-            device_name: format!("{name} (sm_{major}{minor}, {num_sms} SMs)"),
+            device_name: format!("{name} ({arch}, {num_sms} SMs)"),
         })
     }
 
@@ -250,11 +244,7 @@ impl CudaBackend {
     /// calls this once at startup with the geometries of its pools; modules already loaded are
     /// skipped. The first compile or load error, if any.
     pub fn warm_up(&self, geometries: &[PoolGeometry]) -> Result<()> {
-        let keys: Vec<StepKey> = geometries
-            .iter()
-            .map(|g| StepKey::of(g, g.ring_dtype))
-            .collect();
-        warm_up(&self.ctx, &keys)
+        warm_up(&self.ctx, &StepKey::of_pools(geometries))
     }
 
     /// The stream all work runs on.

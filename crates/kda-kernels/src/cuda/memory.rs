@@ -202,25 +202,13 @@ impl DeviceMemory for CudaMemory {
         if src.is_empty() {
             return Ok(());
         }
-        match &mut dst.storage {
-            Storage::Empty => return Ok(()),
-            Storage::Owned(slice) => {
-                let mut view = slice.slice_mut(offset..offset + src.len());
-                self.stream
-                    .memcpy_htod(src, &mut view)
-                    .map_err(|e| mem_err("write", e))?;
-            }
-            Storage::Borrowed(ptr) => {
-                self.bind("write")?;
-                // SAFETY: the range lies inside the borrowed bytes (checked above), which
-                // `borrow`'s caller keeps valid; the copy is ordered on this memory's stream and
-                // waited for below, before `src` may be reused.
-                unsafe {
-                    result::memcpy_htod_async(*ptr + offset as u64, src, self.stream.cu_stream())
-                }
-                .map_err(|e| mem_err("write", e))?;
-            }
-        }
+        let at = dst.device_ptr(&self.stream) + offset as u64;
+        self.bind("write")?;
+        // SAFETY: the range lies inside the buffer's bytes (checked above: an allocation, or
+        // borrowed bytes that `borrow`'s caller keeps valid); the copy is ordered on the stream
+        // and waited for below, before `src` may be reused.
+        unsafe { result::memcpy_htod_async(at, src, self.stream.cu_stream()) }
+            .map_err(|e| mem_err("write", e))?;
         // A pageable source: wait, so the caller may reuse it at once.
         self.stream.synchronize().map_err(|e| mem_err("write", e))
     }
@@ -230,25 +218,11 @@ impl DeviceMemory for CudaMemory {
         if dst.is_empty() {
             return Ok(());
         }
-        match &src.storage {
-            Storage::Empty => return Ok(()),
-            Storage::Owned(slice) => {
-                let view = slice.slice(offset..offset + dst.len());
-                self.stream
-                    .memcpy_dtoh(&view, dst)
-                    .map_err(|e| mem_err("read", e))?;
-            }
-            Storage::Borrowed(ptr) => {
-                self.bind("read")?;
-                // SAFETY: the range lies inside the borrowed bytes (checked above), which
-                // `borrow`'s caller keeps valid; `dst` is not touched until the stream is
-                // synchronised below.
-                unsafe {
-                    result::memcpy_dtoh_async(dst, *ptr + offset as u64, self.stream.cu_stream())
-                }
-                .map_err(|e| mem_err("read", e))?;
-            }
-        }
+        let at = src.device_ptr(&self.stream) + offset as u64;
+        self.bind("read")?;
+        // SAFETY: as in `write`; `dst` is not touched until the stream is synchronised below.
+        unsafe { result::memcpy_dtoh_async(dst, at, self.stream.cu_stream()) }
+            .map_err(|e| mem_err("read", e))?;
         self.stream.synchronize().map_err(|e| mem_err("read", e))
     }
 
@@ -257,24 +231,11 @@ impl DeviceMemory for CudaMemory {
         if len == 0 {
             return Ok(());
         }
-        match &mut buf.storage {
-            Storage::Empty => Ok(()),
-            Storage::Owned(slice) => {
-                let mut view = slice.slice_mut(offset..offset + len);
-                self.stream
-                    .memset_zeros(&mut view)
-                    .map_err(|e| mem_err("zero", e))
-            }
-            Storage::Borrowed(ptr) => {
-                self.bind("zero")?;
-                // SAFETY: the range lies inside the borrowed bytes (checked above), which
-                // `borrow`'s caller keeps valid; ordered on this memory's stream.
-                unsafe {
-                    result::memset_d8_async(*ptr + offset as u64, 0, len, self.stream.cu_stream())
-                }
-                .map_err(|e| mem_err("zero", e))
-            }
-        }
+        let at = buf.device_ptr(&self.stream) + offset as u64;
+        self.bind("zero")?;
+        // SAFETY: as in `write`; ordered on the stream.
+        unsafe { result::memset_d8_async(at, 0, len, self.stream.cu_stream()) }
+            .map_err(|e| mem_err("zero", e))
     }
 
     fn copy_within(

@@ -34,9 +34,5 @@ pub(crate) fn precompile_modules(
     arch: crate::precompile::GpuArch,
     geometries: &[state_pool::PoolGeometry],
 ) -> crate::Result<Vec<crate::precompile::PrecompiledModule>> {
-    let keys: Vec<registry::StepKey> = geometries
-        .iter()
-        .map(|g| registry::StepKey::of(g, g.ring_dtype))
-        .collect();
-    registry::precompile(dir, arch, &keys)
+    registry::precompile(dir, arch, &registry::StepKey::of_pools(geometries))
 }

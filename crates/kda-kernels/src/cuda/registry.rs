@@ -53,6 +53,15 @@ impl StepKey {
             v: g.v,
         }
     }
+
+    /// The modules of calls on layers of `geometries`, with inputs in each geometry's
+    /// `ring_dtype` (the dtype of the kernels' inputs).
+    pub fn of_pools(geometries: &[PoolGeometry]) -> Vec<Self> {
+        geometries
+            .iter()
+            .map(|g| Self::of(g, g.ring_dtype))
+            .collect()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -279,6 +288,17 @@ fn nvrtc_options(major: u32, minor: u32) -> Vec<String> {
     options
 }
 
+/// The architecture of `ctx`'s device (its compute capability), which its modules compile for.
+pub(crate) fn device_arch(ctx: &CudaContext) -> Result<GpuArch> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| unavailable(format!("compute capability: {e}")))?;
+    match (u32::try_from(major), u32::try_from(minor)) {
+        (Ok(major), Ok(minor)) => Ok(GpuArch { major, minor }),
+        _ => Err(unavailable(format!("compute capability {major}.{minor}"))),
+    }
+}
+
 /// Compiles one module and loads the named functions from it.
 fn compile(
     ctx: &Arc<CudaContext>,
@@ -286,13 +306,8 @@ fn compile(
     name: &str,
     funcs: &[&str],
 ) -> Result<Vec<CudaFunction>> {
-    let (major, minor) = ctx
-        .compute_capability()
-        .map_err(|e| unavailable(format!("compute capability: {e}")))?;
-    let arch = |x: i32| {
-        u32::try_from(x).map_err(|_| unavailable(format!("compute capability {major}.{minor}")))
-    };
-    let options = nvrtc_options(arch(major)?, arch(minor)?);
+    let arch = device_arch(ctx)?;
+    let options = nvrtc_options(arch.major, arch.minor);
     let module = match CodeKind::from_env().map_err(unavailable)? {
         CodeKind::Cubin => load_cubin(ctx, src, name, &options)?,
         CodeKind::Ptx => {
