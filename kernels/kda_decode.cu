@@ -58,6 +58,7 @@ struct KdaParams {
     kda_u64 delta;                   // f32 [slot][ring_len][HV][V]: the ring entries' delta vectors
     kda_u64 bounds, slots, accepted; // u32 [N+1], u32 [N], u32 [N] (0: none)
     kda_u64 err;                     // u32 [4]: flags, first bad slot, any store, spare
+    kda_u64 live;                    // u32: sequences computed, the first ones (0: all n_seqs)
     kda_u32 n_seqs, h, hv, ring_len;
     kda_u32 op;                      // KDA_OP_*
     kda_u32 gate_mode;               // 0 activated, 1 softplus, 2 lower bound
@@ -720,6 +721,19 @@ __device__ __forceinline__ kda_u32 early_u32(kda_u64 buf, kda_u32 i) {
 // A slot index read before griddepcontrol.wait (early_u32).
 __device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) { return early_u32(p.slots, seq); }
 
+// The sequences the call computes: all n_seqs, or with p.live (a batch padded to a fixed size,
+// as a CUDA graph replays it) the first ones, as many as the host wrote there before the call
+// (early_u32: safe before the wait). The kernels neither read nor write anything of the others:
+// their slots, states, rings, inputs and outputs.
+__device__ __forceinline__ kda_u32 live_seqs(const KdaParams& p) {
+    return p.live != 0u ? min(early_u32(p.live, 0), p.n_seqs) : p.n_seqs;
+}
+// Whether this CTA of a kernel with one CTA per item (blockIdx.x, p.div_seq items per
+// sequence) belongs to a sequence the call does not compute (live_seqs).
+__device__ __forceinline__ bool padding_cta(const KdaParams& p) {
+    return p.live != 0u && kda_div(blockIdx.x, p.div_seq) >= live_seqs(p);
+}
+
 // A hint to L2 for what the first prepass of a CTA reads: the unit's rows (key of its q/k head,
 // values, gates and betas of its value heads) of ring entries 0..min(ring_len, TC), and the first
 // TC new tokens' inputs. One warp per row; no wait, no register.
@@ -779,6 +793,7 @@ __device__ __forceinline__ void prefetch_prepass(const KdaParams& p, kda_u32 slo
 using namespace kda;
 
 extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p) {
+    if (padding_cta(p)) return;
     KDA_DEPENDENT_LAUNCH();
     __shared__ __align__(16) Smem sm;
     __shared__ Plan s_plan;
@@ -1267,7 +1282,7 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
     const int lk = lane / LV, lv = lane % LV;
     const int cw = nwarps * WC;
     const EagerStage L(cw);
-    const kda_u32 total = p.n_seqs * p.hv * p.vblocks;
+    const kda_u32 total = live_seqs(p) * p.hv * p.vblocks;
     const kda_u32 grid = gridDim.x;
     kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
     if (blockIdx.x == 0 && threadIdx.x == 0 && total > 0) atomicOr(err + 2, 1u);
@@ -1397,7 +1412,7 @@ __device__ __forceinline__ void eager_prefetch_first(const KdaParams& p) {
 #if KDA_GRID_DEPENDENCY
     if (p.early == 0u) return;
     const int cw = (int)(blockDim.x >> 5) * WC;
-    const kda_u32 total = p.n_seqs * p.hv * p.vblocks;
+    const kda_u32 total = live_seqs(p) * p.hv * p.vblocks;
     const int items = p.stages == 3u ? 2 : 1;
     kda_u32 slot[2];
 #pragma unroll
@@ -1880,6 +1895,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int lk = lane / LV, lv = lane % LV;
     const int cw = nwarps * WC;
     const kda_u32 item = blockIdx.x;
+    if (padding_cta(p)) return;
     kda_u32 slot = 0u;
 #if KDA_GRID_DEPENDENCY
     if (p.early != 0u) {
@@ -2325,7 +2341,7 @@ extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 1) kda_eager_bulk_pip
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = ((int)(blockDim.x >> 5) - 2) / PIPE_WARPS;
     const int nb = cmin((int)p.stages, PIPE_MAX_BUFFERS);
-    const kda_u32 total = p.n_seqs * p.hv;
+    const kda_u32 total = live_seqs(p) * p.hv;
     if (threadIdx.x < (unsigned)nb) {
         bulk_bar_init(&full[threadIdx.x]);
         bulk_bar_init(&computed[threadIdx.x]);

@@ -318,7 +318,7 @@ __device__ __forceinline__ void ring_settle(const RingArrival& prev, bool last, 
 // slots before the wait).
 __device__ __forceinline__ void ring_prefetch_first(const KdaParams& p) {
 #if KDA_GRID_DEPENDENCY
-    if (p.early == 0u || blockIdx.x >= p.n_seqs * p.hv * p.vblocks) return;
+    if (p.early == 0u || blockIdx.x >= live_seqs(p) * p.hv * p.vblocks) return;
     RingItem it;
     ring_coords(p, blockIdx.x, it);
     const kda_u32 slot = early_slot(p, it.n);
@@ -344,10 +344,11 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     kda::ring_prefetch_first(p);
     // The bookkeeper's first four slots, loaded before the wait (host-written, early_slot).
     kda_u32 sl[4];
+    const kda_u32 live_items = kda::live_seqs(p) * p.hv * p.vblocks;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const kda_u32 it = blockIdx.x + (kda_u32)j * gridDim.x;
-        const bool mine = threadIdx.x == kda::RT - 32 && it < p.n_seqs * p.hv * p.vblocks;
+        const bool mine = threadIdx.x == kda::RT - 32 && it < live_items;
         sl[j] = mine ? kda::early_slot(p, kda::ring_seq(p, it)) : 0u;
     }
     KDA_DEPENDENT_LAUNCH();
@@ -373,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring(const KdaParam
     float* alog_s = reinterpret_cast<float*>(dsm + L.alog);
 
     const kda_u32 per_seq = p.hv * p.vblocks;
-    const kda_u32 total = p.n_seqs * per_seq;
+    const kda_u32 total = live_items;
     const kda_u32 grid = gridDim.x;
     kda_u32* metas = reinterpret_cast<kda_u32*>(p.meta);
     const kda_u32* slots = reinterpret_cast<const kda_u32*>(p.slots);
@@ -893,6 +894,7 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     __shared__ kda_u32 s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
+    if (padding_cta(p)) return;
     TileItem it = tile_item_begin(p);
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;

@@ -867,6 +867,7 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
     using namespace kda;
+    if (padding_cta(p)) return;
     if constexpr (LEAN_FITS) {
         if (p.op == KDA_OP_DECODE && ring_delta_decode<false>(p)) return;
     }
@@ -892,6 +893,7 @@ template <bool FITS> __device__ __forceinline__ bool staged_decode(const KdaPara
 // take.
 extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring_delta_staged(const KdaParams p) {
     using namespace kda;
+    if (padding_cta(p)) return;
     if (p.op == KDA_OP_DECODE && staged_decode<STAGE_FITS>(p)) return;
     ring_delta_item_far(p);
 }

@@ -297,6 +297,7 @@ template <bool IN> __device__ __forceinline__ void tile_copy(ST* tile, ST* head,
 
 extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mma(const KdaParams p) {
     using namespace kda;
+    if (padding_cta(p)) return;
     if constexpr (MMA_FITS) {
         extern __shared__ __align__(16) unsigned char dsm[];
         __shared__ Plan s_plan;

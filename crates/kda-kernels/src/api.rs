@@ -106,6 +106,30 @@ impl BatchPlan {
     pub fn len_of(&self, i: usize) -> usize {
         self.bounds[i + 1] - self.bounds[i]
     }
+    /// The plan of this batch's first `slots.len()` sequences, with `slots` as their slots:
+    /// what a batch padded to a fixed number of sequences (a captured CUDA graph's) computes in
+    /// a step where only those sequences run, its tail being padding. Every slot must lie
+    /// below `slot_bound` and appear once; at most [`BatchPlan::num_seqs`] slots.
+    pub fn with_live_slots(&self, slots: &[u32], slot_bound: usize) -> Result<Self> {
+        let n = self.num_seqs();
+        if slots.len() > n {
+            return Err(KernelError::arg(
+                "slots",
+                format!(
+                    "has {} entries; this batch holds at most {n} sequences",
+                    slots.len()
+                ),
+            ));
+        }
+        let cu: Vec<i64> = self.bounds[..=slots.len()]
+            .iter()
+            .map(|&b| b as i64)
+            .collect();
+        let live = Self::new(CuSeqlens::I64(&cu), slots, self.bounds[slots.len()])?;
+        live.check_slots(slot_bound)?;
+        Ok(live)
+    }
+
     /// Checks every slot against the number of slots of a pool.
     pub fn check_slots(&self, total_slots: usize) -> Result<()> {
         match self.slots.iter().find(|&&s| s as usize >= total_slots) {
@@ -307,4 +331,48 @@ pub fn layer_dims(geometry: &PoolGeometry) -> (usize, usize, usize, usize, State
         geometry.v,
         geometry.layout,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn padded(n: usize) -> BatchPlan {
+        let cu: Vec<i32> = (0..=n as i32).collect();
+        let slots: Vec<u32> = (0..n as u32).map(|i| 2 * i).collect();
+        BatchPlan::new(CuSeqlens::I32(&cu), &slots, n).unwrap()
+    }
+
+    fn refused(r: Result<BatchPlan>, what: &str) {
+        match r {
+            Err(KernelError::InvalidArgument { arg, msg }) => {
+                assert_eq!(arg, "slots");
+                assert!(msg.contains(what), "{msg:?} lacks {what:?}");
+            }
+            other => panic!("expected an argument error about {what}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn live_slots_give_the_plan_of_the_batchs_first_sequences() {
+        let spec = BatchPlan::new(CuSeqlens::I64(&[0, 3, 5, 9]), &[4, 7, 1], 9).unwrap();
+        let live = spec.with_live_slots(&[11, 2], 12).unwrap();
+        assert_eq!(live.bounds, [0, 3, 5]);
+        assert_eq!(live.slots, [11, 2]);
+        let all = spec.with_live_slots(&[0, 1, 2], 3).unwrap();
+        assert_eq!(all.bounds, spec.bounds);
+        let none = spec.with_live_slots(&[], 3).unwrap();
+        assert_eq!((none.num_seqs(), none.num_tokens()), (0, 0));
+    }
+
+    #[test]
+    fn live_slots_are_refused_past_the_batch_the_bound_or_twice() {
+        let plan = padded(4);
+        refused(
+            plan.with_live_slots(&[0, 1, 2, 3, 5], 8),
+            "at most 4 sequences",
+        );
+        refused(plan.with_live_slots(&[0, 8], 8), "slot 8 is out of range");
+        refused(plan.with_live_slots(&[3, 1, 3], 8), "slot 3 appears twice");
+    }
 }

@@ -61,6 +61,17 @@ impl AsRef<BatchPlan> for CudaBatch {
     }
 }
 
+impl CudaBatch {
+    /// The sequences the kernels are launched for.
+    pub fn capacity(&self) -> usize {
+        match *self {}
+    }
+    /// Whether the batch was prepared by `prepare_updatable`.
+    pub fn is_updatable(&self) -> bool {
+        match *self {}
+    }
+}
+
 impl CudaBuffer {
     /// Length in bytes.
     pub fn len(&self) -> usize {
@@ -204,6 +215,14 @@ impl CudaBackend {
     }
     /// Reports the violations the kernels recorded.
     pub fn check_device_errors(&self) -> Result<()> {
+        match *self {}
+    }
+    /// Prepares a batch padded to its sequences, whose live ones change in place.
+    pub fn prepare_updatable(&self, _plan: BatchPlan, _slot_bound: usize) -> Result<CudaBatch> {
+        match *self {}
+    }
+    /// Makes the first `slots.len()` sequences of an updatable batch live, with these slots.
+    pub fn update_batch(&self, _batch: &mut CudaBatch, _slots: &[u32]) -> Result<()> {
         match *self {}
     }
     /// Decode without host synchronisation.

@@ -17,7 +17,7 @@ use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
     assert_bits_eq, assert_refused, bad_input_case, batch_plan, check_rejects_bad_input,
     check_ring_decode_matches_eager, check_ring_rounds_once_per_commit,
-    check_spec_verify_matches_eager, download, initial_states, layer_with_states,
+    check_spec_verify_matches_eager, download, initial_states, layer_with_states, poisoned_output,
     rel_frobenius_f32, run_replay, run_tokens, twin_layers, upload, upload_bytes, Case,
     DeviceInputs, HostInputs, TestLayer, TokenOp,
 };
@@ -1538,5 +1538,310 @@ fn cuda_memory_round_trips_and_allows_empty_buffers() {
     assert!(
         mem.write(&mut b, 2500, &bytes).is_err(),
         "write past the end refused"
+    );
+}
+
+/// Random distinct slots of `0..pool`, `n` of them.
+fn random_slots(rng: &mut StdRng, pool: usize, n: usize) -> Vec<u32> {
+    let mut all: Vec<u32> = (0..pool as u32).collect();
+    for i in 0..n {
+        let j = rng.random_range(i..pool);
+        all.swap(i, j);
+    }
+    all.truncate(n);
+    all
+}
+
+/// Writes fresh token inputs (the gate parameters kept) into a call's input buffers.
+fn rewrite_inputs(
+    cu: &CudaBackend,
+    dev: &mut DeviceInputs<kda_kernels::cuda::CudaBuffer>,
+    host: &HostInputs,
+) {
+    let mem = cu.memory();
+    let d = host.dtype;
+    for (buf, values) in [
+        (&mut dev.q, &host.q),
+        (&mut dev.k, &host.k),
+        (&mut dev.v, &host.v),
+        (&mut dev.g, &host.g),
+        (&mut dev.beta, &host.beta),
+    ] {
+        mem.write(buf, 0, &d.encode_f32(values)).expect("inputs");
+    }
+}
+
+/// The live counts of the padded-batch tests' steps: full, one, none, then others.
+const LIVE_STEPS: [usize; 6] = [8, 1, 0, 5, 3, 8];
+
+#[test]
+fn cuda_a_graph_of_a_padded_batch_decodes_each_steps_live_sequences_as_plain_calls_do() {
+    let Some(cu) = cuda() else { return };
+    const CAP: usize = 8;
+    const POOL: usize = 24;
+    let every: Vec<u32> = (0..POOL as u32).collect();
+    let eager = |state| eager_case(state, StateLayout::KFirst, Rounding::Nearest, &every);
+    let cases = [
+        eager(Dtype::Fp32),
+        eager(Dtype::Bf16),
+        Case {
+            ring_len: 8,
+            ..eager(Dtype::Fp16)
+        },
+    ];
+    for (ci, c) in cases.iter().enumerate() {
+        let what = format!("{} pool, ring {}", c.state_dtype, c.ring_len);
+        let mem = cu.memory();
+        let mut rng = StdRng::seed_from_u64(0x5eed_0000_0000_0051 + ci as u64);
+        // twins: one stepped by a graph captured once, one by a prepared call per step
+        let (mut graphed, mut plain) = twin_layers(&cu, c, c, &mut rng);
+        let first = HostInputs::random(&mut rng, c.dims(), CAP, &c.opts, c.input_dtype);
+        let mut dev = DeviceInputs::upload(mem, &first, &c.opts).expect("inputs");
+        let out_len = CAP * c.hv * c.v;
+        let out_bytes = out_len * c.input_dtype.size();
+        let mut out_buf = upload_bytes(mem, &vec![0xff; out_bytes]).expect("output");
+        let bounds: Vec<usize> = (0..=CAP).collect();
+        let mut batch = cu
+            .prepare_updatable(batch_plan(&bounds, &every[..CAP]).unwrap(), POOL)
+            .expect("padded batch");
+        assert_eq!((batch.capacity(), batch.is_updatable()), (CAP, true));
+        // the kernel compiled and loaded outside the capture, on a layer of its own
+        let mut scratch = layer_with_states(&cu, c, &initial_states(c, &mut rng), &mut rng);
+        let enqueue = |layer: &mut TestLayer<_>, out_buf: &mut _| {
+            let mut out = TensorViewMut {
+                buf: out_buf,
+                dtype: c.input_dtype,
+                len: out_len,
+            };
+            cu.enqueue_decode(&batch, &dev.view(), &c.opts, &mut layer.view(), &mut out)
+        };
+        enqueue(&mut scratch, &mut out_buf).expect("warm-up call");
+        let graph = cu
+            .capture(|| enqueue(&mut graphed, &mut out_buf))
+            .expect("capture");
+        for (step, &live) in LIVE_STEPS.iter().enumerate() {
+            let slots = random_slots(&mut rng, POOL, live);
+            let host = HostInputs::random(&mut rng, c.dims(), CAP, &c.opts, c.input_dtype)
+                .with_gate_params(&first.a_log, &first.dt_bias);
+            rewrite_inputs(&cu, &mut dev, &host);
+            mem.write(&mut out_buf, 0, &vec![0xff; out_bytes])
+                .expect("poison");
+            cu.update_batch(&mut batch, &slots).expect("update");
+            assert_eq!(batch.as_ref().slots, slots);
+            graph.launch().expect("replay");
+            cu.synchronize().expect("sync");
+            cu.check_device_errors().expect("no device error");
+            let at = format!("{what}, step {step}, {live} live");
+            let mut got_bytes = vec![0u8; out_bytes];
+            mem.read(&out_buf, 0, &mut got_bytes).expect("output");
+            let live_bytes = live * c.hv * c.v * c.input_dtype.size();
+            assert!(
+                got_bytes[live_bytes..].iter().all(|&b| b == 0xff),
+                "{at}: an output of the padding was written"
+            );
+            if live > 0 {
+                let live_bounds: Vec<usize> = (0..=live).collect();
+                let tokens: Vec<usize> = (0..live).collect();
+                let want = run_tokens(
+                    &cu,
+                    &mut plain,
+                    TokenOp::Decode,
+                    &live_bounds,
+                    &slots,
+                    &host.gather(&tokens),
+                    &c.opts,
+                )
+                .expect("plain call");
+                let got = c.input_dtype.decode_f32(&got_bytes[..live_bytes]);
+                assert_bits_eq(&got, &want, &format!("{at}: outputs"));
+            }
+            // every slot, the live ones and the untouched rest
+            let g = graphed.read_states(mem, &every).expect("read");
+            let p = plain.read_states(mem, &every).expect("read");
+            assert_bits_eq(&g, &p, &format!("{at}: states"));
+            for &s in &every {
+                assert_eq!(
+                    graphed.meta(mem, s).unwrap(),
+                    plain.meta(mem, s).unwrap(),
+                    "{at}: ring record of slot {s}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cuda_spec_verify_of_a_padded_batch_computes_its_live_sequences_as_a_plain_batch_does() {
+    let Some(cu) = cuda() else { return };
+    const CAP: usize = 8;
+    const POOL: usize = 20;
+    const T: usize = 2;
+    let every: Vec<u32> = (0..POOL as u32).collect();
+    for state in [Dtype::Fp32, Dtype::Fp16] {
+        let c = Case {
+            ring_len: 2 * (T + 1),
+            ..eager_case(state, StateLayout::KFirst, Rounding::Nearest, &every)
+        };
+        let what = format!("{state} pool, spec T {T}");
+        let mem = cu.memory();
+        let mut rng = StdRng::seed_from_u64(0x5eed_0000_0000_0052 + state.size() as u64);
+        let (mut padded, mut plain) = twin_layers(&cu, &c, &c, &mut rng);
+        let bounds: Vec<usize> = (0..=CAP).map(|i| i * T).collect();
+        let mut batch = cu
+            .prepare_updatable(batch_plan(&bounds, &every[..CAP]).unwrap(), POOL)
+            .expect("padded batch");
+        let first = HostInputs::random(&mut rng, c.dims(), CAP * T, &c.opts, c.input_dtype);
+        let mut dev = DeviceInputs::upload(mem, &first, &c.opts).expect("inputs");
+        let out_len = CAP * T * c.hv * c.v;
+        let out_bytes = out_len * c.input_dtype.size();
+        let mut out_buf = upload_bytes(mem, &vec![0xff; out_bytes]).expect("output");
+        let mut acc_buf = upload_bytes(mem, &[0u8; CAP * 4]).expect("accepted");
+        for (step, &live) in LIVE_STEPS.iter().enumerate() {
+            let slots = random_slots(&mut rng, POOL, live);
+            // each live slot accepts some of its drafts (none on its first verify)
+            let mut acc = vec![0u32; CAP];
+            for (a, &s) in acc.iter_mut().zip(&slots) {
+                *a = rng.random_range(0..=padded.meta(mem, s).unwrap().drafts());
+            }
+            mem.write(&mut acc_buf, 0, bytemuck::cast_slice(&acc))
+                .expect("accepted");
+            let host = HostInputs::random(&mut rng, c.dims(), CAP * T, &c.opts, c.input_dtype)
+                .with_gate_params(&first.a_log, &first.dt_bias);
+            rewrite_inputs(&cu, &mut dev, &host);
+            mem.write(&mut out_buf, 0, &vec![0xff; out_bytes])
+                .expect("poison");
+            cu.update_batch(&mut batch, &slots).expect("update");
+            let mut out = TensorViewMut {
+                buf: &mut out_buf,
+                dtype: c.input_dtype,
+                len: out_len,
+            };
+            let accepted = IndexView {
+                buf: &acc_buf,
+                len: CAP,
+            };
+            cu.spec_verify(
+                &batch,
+                &accepted,
+                &dev.view(),
+                &c.opts,
+                &mut padded.view(),
+                &mut out,
+            )
+            .expect("padded call");
+            let at = format!("{what}, step {step}, {live} live");
+            let mut got_bytes = vec![0u8; out_bytes];
+            mem.read(&out_buf, 0, &mut got_bytes).expect("output");
+            let live_bytes = live * T * c.hv * c.v * c.input_dtype.size();
+            assert!(
+                got_bytes[live_bytes..].iter().all(|&b| b == 0xff),
+                "{at}: an output of the padding was written"
+            );
+            if live > 0 {
+                let tokens: Vec<usize> = (0..live * T).collect();
+                let want = run_tokens(
+                    &cu,
+                    &mut plain,
+                    TokenOp::SpecVerify(&acc[..live]),
+                    &bounds[..=live],
+                    &slots,
+                    &host.gather(&tokens),
+                    &c.opts,
+                )
+                .expect("plain call");
+                let got = c.input_dtype.decode_f32(&got_bytes[..live_bytes]);
+                assert_bits_eq(&got, &want, &format!("{at}: outputs"));
+            }
+            let g = padded.read_states(mem, &every).expect("read");
+            let p = plain.read_states(mem, &every).expect("read");
+            assert_bits_eq(&g, &p, &format!("{at}: states"));
+            for &s in &every {
+                assert_eq!(
+                    padded.meta(mem, s).unwrap(),
+                    plain.meta(mem, s).unwrap(),
+                    "{at}: ring record of slot {s}"
+                );
+            }
+        }
+    }
+}
+
+/// Asserts an argument error naming `arg` whose message contains `needle`.
+fn refused<T: std::fmt::Debug>(r: kda_kernels::Result<T>, arg: &str, needle: &str) {
+    match r {
+        Err(KernelError::InvalidArgument { arg: a, msg }) => {
+            assert_eq!(a, arg, "refused, but naming {a} ({msg})");
+            assert!(msg.contains(needle), "{msg:?} does not say {needle:?}");
+        }
+        other => panic!("expected an error naming {arg} ({needle}), got {other:?}"),
+    }
+}
+
+#[test]
+fn cuda_padded_batches_refuse_bad_updates_and_pools_with_fewer_slots() {
+    let Some(cu) = cuda() else { return };
+    let bounds: Vec<usize> = (0..=4).collect();
+    let plan = batch_plan(&bounds, &[0, 1, 2, 3]).unwrap();
+    refused(
+        cu.prepare_updatable(batch_plan(&[0], &[]).unwrap(), 8),
+        "slots",
+        "at least one sequence",
+    );
+    refused(
+        cu.prepare_updatable(plan.clone(), 3),
+        "slots",
+        "out of range",
+    );
+    let mut batch = cu.prepare_updatable(plan.clone(), 8).expect("padded batch");
+    refused(
+        cu.update_batch(&mut batch, &[0, 1, 2, 3, 4]),
+        "slots",
+        "at most 4",
+    );
+    refused(cu.update_batch(&mut batch, &[9]), "slots", "out of range");
+    refused(cu.update_batch(&mut batch, &[5, 5]), "slots", "twice");
+    assert_eq!(
+        batch.as_ref().slots,
+        [0, 1, 2, 3],
+        "a refused update changes nothing"
+    );
+    let mut fixed = cu.prepare(plan).expect("batch");
+    assert!(!fixed.is_updatable());
+    refused(
+        cu.update_batch(&mut fixed, &[0]),
+        "batch",
+        "prepare_updatable",
+    );
+    // a call on a pool of fewer slots than the batch's bound
+    cu.update_batch(&mut batch, &[1, 0]).expect("update");
+    let c = Case {
+        total_slots: 6,
+        ..eager_case(
+            Dtype::Fp16,
+            StateLayout::KFirst,
+            Rounding::Nearest,
+            &[0, 1, 2, 3],
+        )
+    };
+    let mut rng = StdRng::seed_from_u64(0x5eed_0000_0000_0053);
+    let mut layer = layer_with_states(&cu, &c, &initial_states(&c, &mut rng), &mut rng);
+    let host = HostInputs::random(&mut rng, c.dims(), 4, &c.opts, c.input_dtype);
+    let dev = DeviceInputs::upload(cu.memory(), &host, &c.opts).expect("inputs");
+    let mut out_buf = poisoned_output(cu.memory(), c.input_dtype, 4 * c.hv * c.v).unwrap();
+    let before = layer.snapshot(cu.memory()).unwrap();
+    let mut out = TensorViewMut {
+        buf: &mut out_buf,
+        dtype: c.input_dtype,
+        len: 4 * c.hv * c.v,
+    };
+    refused(
+        cu.decode(&batch, &dev.view(), &c.opts, &mut layer.view(), &mut out),
+        "batch",
+        "slots below 8",
+    );
+    assert_eq!(
+        layer.snapshot(cu.memory()).unwrap(),
+        before,
+        "the pool changed"
     );
 }

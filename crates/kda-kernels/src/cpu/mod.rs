@@ -121,6 +121,7 @@ impl CpuBackend {
                 out: Some((out.dtype, out.len)),
                 accepted,
                 metas: &metas,
+                tensor_tokens: None,
             },
         )?;
         let input = call.input_dtype.unwrap_or(inputs.q.dtype);
@@ -227,6 +228,7 @@ impl Backend for CpuBackend {
                 out: None,
                 accepted,
                 metas: &metas,
+                tensor_tokens: None,
             },
         )?;
         if g.ring_len == 0 {

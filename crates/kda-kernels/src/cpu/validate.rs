@@ -116,6 +116,10 @@ pub struct CallArgs<'a, B> {
     pub accepted: Option<&'a [u32]>,
     /// The ring bookkeeping of each sequence's slot, in batch order (default without a ring).
     pub metas: &'a [RingMeta],
+    /// The tokens the per-token tensors (inputs and output) hold where that is more than
+    /// the plan's: a batch padded to a fixed size (the CUDA backend's `prepare_updatable`)
+    /// whose plan is its live prefix; `None`: the plan's tokens.
+    pub tensor_tokens: Option<usize>,
 }
 
 /// Checks the layer's buffers against its geometry (`layer` argument).
@@ -274,6 +278,48 @@ pub fn check_plan(plan: &BatchPlan) -> Result<()> {
     BatchPlan::new(CuSeqlens::I64(&cu), &plan.slots, plan.num_tokens()).map(|_| ())
 }
 
+/// Checks each sequence's token count against the operation: decode 1, spec_verify at most
+/// the ring length, replay 0 (prefill any).
+pub fn check_seq_lengths(op: Op, plan: &BatchPlan, ring_len: usize) -> Result<()> {
+    match op {
+        Op::Decode => {
+            if let Some(i) = (0..plan.num_seqs()).find(|&i| plan.len_of(i) != 1) {
+                return Err(KernelError::arg(
+                    "cu_seqlens",
+                    format!(
+                        "sequence {i} has {} tokens; decode takes exactly 1 token per sequence",
+                        plan.len_of(i)
+                    ),
+                ));
+            }
+        }
+        Op::Replay => {
+            if plan.num_tokens() != 0 {
+                return Err(KernelError::arg(
+                    "cu_seqlens",
+                    format!(
+                        "covers {} tokens; replay takes sequences of length 0",
+                        plan.num_tokens()
+                    ),
+                ));
+            }
+        }
+        Op::SpecVerify => {
+            if let Some(i) = (0..plan.num_seqs()).find(|&i| plan.len_of(i) > ring_len) {
+                return Err(KernelError::arg(
+                    "cu_seqlens",
+                    format!(
+                        "sequence {i} has {} draft tokens; spec_verify takes 0..={ring_len} (the ring length)",
+                        plan.len_of(i)
+                    ),
+                ));
+            }
+        }
+        Op::Prefill => {}
+    }
+    Ok(())
+}
+
 /// Validates a call against the layer's `geometry` and plans it.
 pub fn validate_call<M: DeviceMemory>(
     mem: &M,
@@ -287,6 +333,17 @@ pub fn validate_call<M: DeviceMemory>(
     let t = plan.num_tokens();
     let ring_len = g.ring_len;
     plan.check_slots(g.total_slots())?;
+    // the tokens the tensors hold: the plan's, or a padded batch's (its tail is not computed)
+    let t = match args.tensor_tokens {
+        Some(padded) if padded >= t => padded,
+        Some(padded) => {
+            return Err(KernelError::arg(
+                "cu_seqlens",
+                format!("covers {t} tokens; the padded batch holds only {padded}"),
+            ))
+        }
+        None => t,
+    };
     if let Some(inp) = args.inputs {
         let row = g.h * g.k;
         if inp.q.len % row == 0 && inp.q.len / row != t {
@@ -303,39 +360,7 @@ pub fn validate_call<M: DeviceMemory>(
         }
     }
 
-    match args.op {
-        Op::Decode => {
-            if let Some(i) = (0..n).find(|&i| plan.len_of(i) != 1) {
-                return Err(KernelError::arg(
-                    "cu_seqlens",
-                    format!(
-                        "sequence {i} has {} tokens; decode takes exactly 1 token per sequence",
-                        plan.len_of(i)
-                    ),
-                ));
-            }
-        }
-        Op::Replay => {
-            if t != 0 {
-                return Err(KernelError::arg(
-                    "cu_seqlens",
-                    format!("covers {t} tokens; replay takes sequences of length 0"),
-                ));
-            }
-        }
-        Op::SpecVerify => {
-            if let Some(i) = (0..n).find(|&i| plan.len_of(i) > ring_len) {
-                return Err(KernelError::arg(
-                    "cu_seqlens",
-                    format!(
-                        "sequence {i} has {} draft tokens; spec_verify takes 0..={ring_len} (the ring length)",
-                        plan.len_of(i)
-                    ),
-                ));
-            }
-        }
-        Op::Prefill => {}
-    }
+    check_seq_lengths(args.op, plan, ring_len)?;
     if let Some(s) = args.opts.scale {
         if !s.is_finite() {
             return Err(KernelError::arg(
@@ -567,6 +592,94 @@ mod tests {
         BatchPlan {
             bounds: vec![0, n],
             slots: vec![3],
+        }
+    }
+
+    #[test]
+    fn a_padded_batch_checks_its_tensors_against_the_padded_tokens_and_its_live_sequences_alone() {
+        use crate::api::{StepInputs, TensorView};
+        use state_pool::{HostMemory, PoolGeometry};
+        let mem = HostMemory;
+        let g = PoolGeometry {
+            layers: 1,
+            h: 1,
+            hv: 2,
+            k: 4,
+            v: 3,
+            conv_rows: 0,
+            conv_channels: 0,
+            conv_dtype: Dtype::Fp32,
+            state_dtype: Dtype::Fp32,
+            layout: state_pool::StateLayout::KFirst,
+            ring_len: 0,
+            ring_dtype: Dtype::Fp32,
+            ring_deltas: false,
+            slots: 8,
+            checkpoint_slots: 0,
+            rounding: state_pool::Rounding::Nearest,
+        };
+        let opts = KdaOptions::default();
+        // tensors for 6 tokens, a live plan of 2 of them
+        let t = 6;
+        let rows = [g.h * g.k, g.h * g.k, g.hv * g.v, g.hv * g.k, g.hv];
+        let bufs: Vec<_> = rows
+            .iter()
+            .map(|row| mem.alloc_zeroed(t * row * 4).unwrap())
+            .collect();
+        let view = |i: usize| TensorView {
+            buf: &bufs[i],
+            dtype: Dtype::Fp32,
+            len: t * rows[i],
+        };
+        let inputs = StepInputs {
+            q: view(0),
+            k: view(1),
+            v: view(2),
+            g: view(3),
+            beta: view(4),
+            a_log: None,
+            dt_bias: None,
+        };
+        let live = BatchPlan {
+            bounds: vec![0, 1, 2],
+            slots: vec![5, 1],
+        };
+        let metas = [RingMeta::default(); 2];
+        let call = |tensor_tokens| {
+            validate_call(
+                &mem,
+                &g,
+                &CallArgs {
+                    op: Op::Decode,
+                    plan: &live,
+                    inputs: Some(&inputs),
+                    a_log: None,
+                    dt_bias: None,
+                    opts: &opts,
+                    out: Some((Dtype::Fp32, t * g.hv * g.v)),
+                    accepted: None,
+                    metas: &metas,
+                    tensor_tokens,
+                },
+            )
+        };
+        let plan = call(Some(t)).expect("the padded tensors fit");
+        assert_eq!(plan.seqs.len(), 2, "only the live sequences are planned");
+        for (tokens, why) in [
+            (None, "the live plan's 2 tokens"),
+            (Some(5), "5 padded tokens"),
+        ] {
+            match call(tokens) {
+                Err(KernelError::InvalidArgument { arg, .. }) => assert_eq!(arg, "cu_seqlens"),
+                other => panic!("tensors of 6 tokens against {why}: {other:?}"),
+            }
+        }
+        match call(Some(1)) {
+            Err(KernelError::InvalidArgument { arg, msg }) => {
+                assert_eq!(arg, "cu_seqlens");
+                assert!(msg.contains("holds only 1"), "{msg}");
+            }
+            other => panic!("a padded batch smaller than its live plan: {other:?}"),
         }
     }
 

@@ -40,24 +40,61 @@ use crate::api::{
     TensorViewMut,
 };
 use crate::choice::{EagerKernel, RingKernel};
-use crate::cpu::validate::{check_accepted, check_layer, validate_call, CallArgs, Op};
+use crate::cpu::validate::{
+    check_accepted, check_layer, check_seq_lengths, validate_call, CallArgs, Op,
+};
 use crate::error::{KernelError, Result};
 use crate::precompile::GpuArch;
 
 type Buf = CudaBuffer;
 
 /// A batch prepared for the CUDA backend: the validated plan and device copies of the
-/// sequence bounds and slots (`u32`).
+/// sequence bounds and slots (`u32`). [`Backend::prepare`] makes one for its plan;
+/// [`CudaBackend::prepare_updatable`] one padded to a fixed number of sequences, whose live
+/// sequences and their slots [`CudaBackend::update_batch`] changes in place (for CUDA graphs).
 pub struct CudaBatch {
+    /// What a call computes: every sequence, or a padded batch's live ones.
     plan: BatchPlan,
     bounds: CudaBuffer,
     slots: CudaBuffer,
+    /// A padded batch's launch shape and live count; `None` for [`Backend::prepare`]'s.
+    padded: Option<Padded>,
+}
+
+/// What a padded batch ([`CudaBackend::prepare_updatable`]) keeps besides its live plan.
+struct Padded {
+    /// The batch as prepared: the kernels launch for its sequences, the tensors hold its
+    /// tokens (its slots are those it was prepared with; the live plan's replace them).
+    full: BatchPlan,
+    /// `u32` on the device: the live sequences (the kernels' `live_seqs`).
+    live: CudaBuffer,
+    /// Every slot an update gives lies below this; a call's pool must have at least as many.
+    slot_bound: usize,
+}
+
+impl CudaBatch {
+    /// The sequences the kernels are launched for: every one of the plan, or a padded batch's
+    /// capacity (its tail is not computed).
+    pub fn capacity(&self) -> usize {
+        self.launch_plan().num_seqs()
+    }
+
+    /// Whether the batch was prepared by [`CudaBackend::prepare_updatable`].
+    pub fn is_updatable(&self) -> bool {
+        self.padded.is_some()
+    }
+
+    /// The plan the kernels are launched for (a padded batch's whole capacity).
+    fn launch_plan(&self) -> &BatchPlan {
+        self.padded.as_ref().map_or(&self.plan, |p| &p.full)
+    }
 }
 
 impl std::fmt::Debug for CudaBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBatch")
             .field("plan", &self.plan)
+            .field("capacity", &self.capacity())
             .finish()
     }
 }
@@ -367,6 +404,82 @@ impl CudaBackend {
         })
     }
 
+    /// Prepares `plan` as a batch padded to its sequences (its capacity), of which the first
+    /// ones are live: a call computes only those, reading and writing nothing of the others
+    /// (their slots, states, rings, inputs, outputs), while its tensors and its launch keep
+    /// the capacity's shape. [`CudaBackend::update_batch`] changes the live sequences and
+    /// their slots in place, on the stream, so a graph captured once with this batch replays
+    /// each step's requests (the engine pads its steps to the graph's size, requests first).
+    /// Every slot, now and in updates, must lie below `slot_bound` (the pool's
+    /// `total_slots()`; a call on a pool with fewer slots is refused). All sequences are live
+    /// at first. An empty plan or a slot out of range is an argument error.
+    pub fn prepare_updatable(&self, plan: BatchPlan, slot_bound: usize) -> Result<CudaBatch> {
+        if plan.num_seqs() == 0 {
+            return Err(KernelError::arg(
+                "slots",
+                "is empty; an updatable batch holds at least one sequence",
+            ));
+        }
+        plan.check_slots(slot_bound)?;
+        let (bounds, slots) = self.upload_batch(&plan)?;
+        let live = self.mem.upload_staged(&[plan.num_seqs() as u32])?;
+        Ok(CudaBatch {
+            plan: plan.clone(),
+            bounds,
+            slots,
+            padded: Some(Padded {
+                full: plan,
+                live,
+                slot_bound,
+            }),
+        })
+    }
+
+    /// Makes the first `slots.len()` sequences of a batch of [`CudaBackend::prepare_updatable`]
+    /// its live ones, with these slots (distinct, below the batch's slot bound): the copies are
+    /// ordered on the stream after every call enqueued before and before every one after,
+    /// with no wait for the stream, so a captured graph replayed next computes exactly these
+    /// sequences. `slots` may be empty (a call then computes nothing). A batch of
+    /// [`Backend::prepare`], too many slots, a slot out of range or twice is an argument error
+    /// and changes nothing.
+    pub fn update_batch(&self, batch: &mut CudaBatch, slots: &[u32]) -> Result<()> {
+        let Some(padded) = batch.padded.as_mut() else {
+            return Err(KernelError::arg(
+                "batch",
+                "was made by prepare; only a batch of prepare_updatable takes new slots",
+            ));
+        };
+        let live = padded.full.with_live_slots(slots, padded.slot_bound)?;
+        // from the plan's own copy: the caller's slice may be pinned memory
+        self.mem
+            .write_staged(&mut batch.slots, 0, bytemuck::cast_slice(&live.slots))?;
+        let count = [live.num_seqs() as u32];
+        self.mem
+            .write_staged(&mut padded.live, 0, bytemuck::cast_slice(&count))?;
+        batch.plan = live;
+        Ok(())
+    }
+
+    /// Device copies of a plan's bounds and slots, enqueued without waiting for the stream.
+    fn upload_batch(&self, plan: &BatchPlan) -> Result<(CudaBuffer, CudaBuffer)> {
+        let bounds = plan
+            .bounds
+            .iter()
+            .map(|&b| {
+                u32::try_from(b).map_err(|_| {
+                    KernelError::arg(
+                        "cu_seqlens",
+                        format!("value {b} does not fit the device's u32 indices"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        Ok((
+            self.mem.upload_staged(&bounds)?,
+            self.mem.upload_staged(&plan.slots)?,
+        ))
+    }
+
     /// Decode without host synchronisation (see the module docs).
     pub fn enqueue_decode(
         &self,
@@ -457,6 +570,20 @@ impl CudaBackend {
         let plan = &call.batch.plan;
         let n = plan.num_seqs();
         check_layer(&self.mem, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
+        if let Some(padded) = &call.batch.padded {
+            if padded.slot_bound > g.total_slots() {
+                return Err(KernelError::arg(
+                    "batch",
+                    format!(
+                        "was prepared for slots below {}; this layer's pool has {}",
+                        padded.slot_bound,
+                        g.total_slots()
+                    ),
+                ));
+            }
+            // the kernels launch for every sequence (a later update may make any live)
+            check_seq_lengths(call.op, &padded.full, g.ring_len)?;
+        }
         if let Some((dtype, len, buf)) = call.out_shape {
             if buf < len * dtype.size() {
                 return Err(KernelError::arg(
@@ -469,7 +596,7 @@ impl CudaBackend {
             }
         }
         if let Some(acc) = call.accepted {
-            check_accepted(&self.mem, acc, n)?;
+            check_accepted(&self.mem, acc, call.batch.capacity())?;
         }
         let (metas, accepted_host) = if exact {
             let metas = self.batch_metas(layer, plan)?;
@@ -500,6 +627,7 @@ impl CudaBackend {
                 out: call.out_shape.map(|(d, l, _)| (d, l)),
                 accepted: accepted_host.as_deref(),
                 metas: &metas,
+                tensor_tokens: call.batch.padded.as_ref().map(|p| p.full.num_tokens()),
             },
         )
     }
@@ -514,7 +642,9 @@ impl CudaBackend {
         exact: bool,
     ) -> Result<()> {
         let g = layer.geometry;
-        let n = call.batch.plan.num_seqs();
+        // a padded batch launches for its capacity, whatever its live count now (a graph
+        // captured with it replays for every later one)
+        let n = call.batch.capacity();
         if n == 0 || (g.ring_len == 0 && call.op != Op::Decode) {
             // Nothing can change: no sequences, or spec_verify / replay without a ring (every
             // sequence then has no tokens, no drafts and nothing pending).
@@ -571,7 +701,7 @@ impl CudaBackend {
             None
         };
         let ring_pipe = if ring {
-            let plan = &call.batch.plan;
+            let plan = call.batch.launch_plan();
             let shape = RingShape {
                 k: g.k,
                 v: g.v,
@@ -710,6 +840,7 @@ impl CudaBackend {
             slots: ptr(&call.batch.slots),
             accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
             err: ptr(&err),
+            live: call.batch.padded.as_ref().map_or(0, |p| ptr(&p.live)),
             n_seqs: n as u32,
             h: g.h as u32,
             hv: g.hv as u32,
@@ -915,26 +1046,15 @@ impl Backend for CudaBackend {
         &self.mem
     }
 
+    /// Uploads the bounds and slots without waiting for the stream (the copies are ordered
+    /// before every later call on it).
     fn prepare(&self, plan: BatchPlan) -> Result<CudaBatch> {
-        let to_u32 = |x: usize, what: &'static str| {
-            u32::try_from(x).map_err(|_| {
-                KernelError::arg(
-                    what,
-                    format!("value {x} does not fit the device's u32 indices"),
-                )
-            })
-        };
-        let bounds = plan
-            .bounds
-            .iter()
-            .map(|&b| to_u32(b, "cu_seqlens"))
-            .collect::<Result<Vec<u32>>>()?;
-        let bounds = self.mem.upload_slice(&bounds)?;
-        let slots = self.mem.upload_slice(&plan.slots)?;
+        let (bounds, slots) = self.upload_batch(&plan)?;
         Ok(CudaBatch {
             plan,
             bounds,
             slots,
+            padded: None,
         })
     }
 

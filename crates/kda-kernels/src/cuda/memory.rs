@@ -113,6 +113,44 @@ impl CudaMemory {
         self.upload(bytemuck::cast_slice(values))
     }
 
+    /// A buffer holding a copy of `values`, filled without waiting for the stream
+    /// ([`CudaMemory::write_staged`]; `values` must be pageable memory).
+    pub(crate) fn upload_staged<T: bytemuck::Pod>(
+        &self,
+        values: &[T],
+    ) -> state_pool::Result<CudaBuffer> {
+        let bytes: &[u8] = bytemuck::cast_slice(values);
+        let mut b = self.alloc_zeroed(bytes.len())?;
+        self.write_staged(&mut b, 0, bytes)?;
+        Ok(b)
+    }
+
+    /// Copies `src` into `dst` at `offset`, ordered on the stream like every copy, without
+    /// the wait of [`DeviceMemory::write`]: from pageable memory the driver returns once it
+    /// has staged the bytes (CUDA's documented behaviour for asynchronous copies; it may wait
+    /// for the stream to do so), so `src` may be reused at once. `src` must be pageable (a
+    /// `Vec` or slice of this crate's own, as the batches' bounds and slots): from pinned
+    /// memory the copy would still be reading it after the return.
+    pub(crate) fn write_staged(
+        &self,
+        dst: &mut CudaBuffer,
+        offset: usize,
+        src: &[u8],
+    ) -> state_pool::Result<()> {
+        check_range("write", offset, src.len(), dst.len)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let at = dst.device_ptr(&self.stream) + offset as u64;
+        self.bind("write")?;
+        // SAFETY: the range lies inside the buffer's bytes (checked above: an allocation, or
+        // borrowed bytes that `borrow`'s caller keeps valid); the copy is ordered on the
+        // stream, and the driver has taken `src`'s bytes when it returns (a pageable source,
+        // the caller's contract; `write` waits for the stream besides).
+        unsafe { result::memcpy_htod_async(at, src, self.stream.cu_stream()) }
+            .map_err(|e| mem_err("write", e))
+    }
+
     /// The whole buffer copied to the host.
     pub fn download(&self, buf: &CudaBuffer) -> state_pool::Result<Vec<u8>> {
         let mut v = vec![0u8; buf.len];
@@ -198,19 +236,13 @@ impl DeviceMemory for CudaMemory {
     }
 
     fn write(&self, dst: &mut CudaBuffer, offset: usize, src: &[u8]) -> state_pool::Result<()> {
-        check_range("write", offset, src.len(), dst.len)?;
-        if src.is_empty() {
-            return Ok(());
+        self.write_staged(dst, offset, src)?;
+        // `src` may be pinned memory, which the copy reads until it is done: wait for it, so
+        // the caller may reuse `src` at once.
+        if !src.is_empty() {
+            self.stream.synchronize().map_err(|e| mem_err("write", e))?;
         }
-        let at = dst.device_ptr(&self.stream) + offset as u64;
-        self.bind("write")?;
-        // SAFETY: the range lies inside the buffer's bytes (checked above: an allocation, or
-        // borrowed bytes that `borrow`'s caller keeps valid); the copy is ordered on the stream
-        // and waited for below, before `src` may be reused.
-        unsafe { result::memcpy_htod_async(at, src, self.stream.cu_stream()) }
-            .map_err(|e| mem_err("write", e))?;
-        // A pageable source: wait, so the caller may reuse it at once.
-        self.stream.synchronize().map_err(|e| mem_err("write", e))
+        Ok(())
     }
 
     fn read(&self, src: &CudaBuffer, offset: usize, dst: &mut [u8]) -> state_pool::Result<()> {

@@ -43,6 +43,9 @@ pub(crate) struct KdaParams {
     pub slots: u64,
     pub accepted: u64,
     pub err: u64,
+    /// `u32` count of the sequences computed, the first ones (0: all `n_seqs`): a padded
+    /// batch's (`CudaBackend::prepare_updatable`).
+    pub live: u64,
     pub n_seqs: u32,
     pub h: u32,
     pub hv: u32,
@@ -82,7 +85,7 @@ pub(crate) struct KdaParams {
     pub div_grp: FastDiv,
 }
 
-const _: () = assert!(std::mem::size_of::<KdaParams>() == 16 * 8 + 30 * 4);
+const _: () = assert!(std::mem::size_of::<KdaParams>() == 17 * 8 + 30 * 4);
 
 /// Division of a `u32` by a divisor fixed for a launch as a multiply-high, an add and a shift
 /// (`struct KdaDiv` and `kda_div` in `kernels/kda_decode.cu`): for `d >= 1`, `s = ceil(log2
