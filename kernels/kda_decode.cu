@@ -58,7 +58,7 @@ struct KdaParams {
     kda_u64 delta;                   // f32 [slot][ring_len][HV][V]: the ring entries' delta vectors
     kda_u64 bounds, slots, accepted; // u32 [N+1], u32 [N], u32 [N] (0: none)
     kda_u64 err;                     // u32 [4]: flags, first bad slot, any store, spare
-    kda_u64 live;                    // u32: sequences computed, the first ones (0: all n_seqs)
+    kda_u64 live;                    // u32 [2]: sequences computed (the first ones), updates (0: all n_seqs)
     kda_u32 n_seqs, h, hv, ring_len;
     kda_u32 op;                      // KDA_OP_*
     kda_u32 gate_mode;               // 0 activated, 1 softplus, 2 lower bound
@@ -728,6 +728,12 @@ __device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) {
 __device__ __forceinline__ kda_u32 live_seqs(const KdaParams& p) {
     return p.live != 0u ? min(early_u32(p.live, 0), p.n_seqs) : p.n_seqs;
 }
+// The store epoch the stochastic rounding of this call draws from: the layer's, plus for a
+// padded batch its updates so far times an odd constant (the word after the live count), so
+// the replays of one captured graph, one per update, round with fresh bits.
+__device__ __forceinline__ kda_u32 call_epoch(const KdaParams& p) {
+    return p.live != 0u ? p.epoch + early_u32(p.live, 1) * 0x9e3779b9u : p.epoch;
+}
 // Whether this CTA of a kernel with one CTA per item (blockIdx.x, p.div_seq items per
 // sequence) belongs to a sequence the call does not compute (live_seqs).
 __device__ __forceinline__ bool padding_cta(const KdaParams& p) {
@@ -836,7 +842,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
         const int group = (int)(p.hv / p.h);
         const int nchunks = (V + cc - 1) / cc;
         const kda_u32 sr_base =
-            p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, p.epoch) : 0u;
+            p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, call_epoch(p)) : 0u;
         for (int j = 0; j < hpc; ++j) {
             const int hv = (int)unit * hpc + j;
             const int h = hv / group;
@@ -1367,14 +1373,14 @@ template <bool VIA_STAGE> __device__ __forceinline__ void eager_run(const KdaPar
         if constexpr (VIA_STAGE) {
             ST* t = reinterpret_cast<ST*>(st + L.tile);
             if (p.sr) {
-                tile_to_stage<true>(t, lk, col0l, cwv, cw, col0, s, kda_sr_base(seed, p.layer, me.slot, p.epoch), elem0);
+                tile_to_stage<true>(t, lk, col0l, cwv, cw, col0, s, kda_sr_base(seed, p.layer, me.slot, call_epoch(p)), elem0);
             } else {
                 tile_to_stage<false>(t, lk, col0l, cwv, cw, col0, s, 0u, elem0);
             }
             __syncthreads();
             tile_copy_out(st + L.tile, head, me.cb, cw, cwv);
         } else if (p.sr) {
-            store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, me.slot, p.epoch), elem0);
+            store_tile<true>(head, lk, col0, s, kda_sr_base(seed, p.layer, me.slot, call_epoch(p)), elem0);
         } else {
             store_tile<false>(head, lk, col0, s, 0u, elem0);
         }
@@ -2032,7 +2038,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         const kda_u32 elem0 = tile_elem0<false>(hv, 0);
         if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            token_step_regs<true>(wr, head, ak, ad, aq, av, abeta, op, kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
+            token_step_regs<true>(wr, head, ak, ad, aq, av, abeta, op, kda_sr_base(seed, p.layer, slot, call_epoch(p)), elem0);
         } else {
             token_step_regs<false>(wr, head, ak, ad, aq, av, abeta, op, 0u, elem0);
         }
@@ -2044,7 +2050,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
         if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
             token_step_stream<true>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o,
-                                    kda_sr_base(seed, p.layer, slot, p.epoch), elem0);
+                                    kda_sr_base(seed, p.layer, slot, call_epoch(p)), elem0);
         } else {
             token_step_stream<false>(bl, lk, bcol, cw, ak, ad, aq, av + col0l, cwv - col0l, abeta, o, 0u, elem0);
         }
@@ -2064,7 +2070,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
             // there already (token_step_stream)
         } else if (p.sr) {
             const kda_u64 seed = ((kda_u64)p.seed_hi << 32) | p.seed_lo;
-            store_tile<true>(dst, lk, dcol, s, kda_sr_base(seed, p.layer, slot, p.epoch), elem0, rs);
+            store_tile<true>(dst, lk, dcol, s, kda_sr_base(seed, p.layer, slot, call_epoch(p)), elem0, rs);
         } else {
             store_tile<false>(dst, lk, dcol, s, 0u, elem0, rs);
         }
@@ -2316,7 +2322,7 @@ __device__ __forceinline__ void pipe_step(const KdaParams& p, unsigned char* dsm
         float o[TV];
         if (p.sr) {
             token_step_stream<true, true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o,
-                                          kda_sr_base(seed, p.layer, sc[2], p.epoch), elem0);
+                                          kda_sr_base(seed, p.layer, sc[2], call_epoch(p)), elem0);
         } else {
             token_step_stream<false, true>(bl, lk, bcol, V, ak, ad, aq, av + col0l, V - col0l, abeta, o, 0u,
                                            elem0);

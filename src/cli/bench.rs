@@ -138,6 +138,11 @@ pub struct Args {
     /// call where it exceeds the kernel's (0: no such row).
     #[arg(long, default_value_t = 0)]
     pub issue_calls: usize,
+    /// Also time decode and spec_verify through padded batches (`prepare_updatable`, every
+    /// sequence live), as an engine's CUDA graphs call them: the rows `decode-padded`,
+    /// `spec-padded`.
+    #[arg(long)]
+    pub padded: bool,
     /// Which forced-kernel rows to time besides each case's default row: all, none, or row
     /// suffixes, comma-separated (eager decode: piped, tile, staged, bulk, bulkin, stream,
     /// regs, pipe, blocked; with a ring: piped, tile, mma, delta, delta-staged, step).
@@ -355,6 +360,18 @@ fn setup(
 impl Setup {
     fn n(&self) -> usize {
         self.batches[0].as_ref().num_seqs()
+    }
+    /// Makes every slot set's batch a padded one of the same plan, every sequence live
+    /// ([`CudaBackend::prepare_updatable`]), as a graph of an engine's padded steps calls it.
+    fn pad(&mut self, be: &CudaBackend) -> Result<(), CliError> {
+        let bound = self.geometry.total_slots();
+        self.batches = self
+            .batches
+            .iter()
+            .map(|b| be.prepare_updatable(b.as_ref().clone(), bound))
+            .collect::<Result<_, _>>()
+            .map_err(kerr)?;
+        Ok(())
     }
     /// Bytes of the state of one slot set.
     fn state_bytes(&self) -> f64 {
@@ -760,6 +777,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     be.set_eager_warps(None).map_err(kerr)?;
                                 }
                                 be.set_eager_stages(None).map_err(kerr)?;
+                                if args.padded {
+                                    s.pad(&be)?;
+                                    let us = b.time(&mut s, kind, None)?;
+                                    row(&mut b, "decode-padded", us)?;
+                                }
                                 drop(s);
                                 // with a ring
                                 let l = args.ring;
@@ -780,6 +802,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     b.record(&op, h, n, 1, l, state, layout, sets, us, bytes)?;
                                 }
                                 be.set_ring_kernel(None).map_err(kerr)?;
+                                if args.padded {
+                                    s.pad(&be)?;
+                                    let us = b.time(&mut s, kind, None)?;
+                                    let op = "decode-padded";
+                                    b.record(op, h, n, 1, l, state, layout, sets, us, bytes)?;
+                                }
                             }
                         }
                         Kind::Spec => {
@@ -813,6 +841,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     b.record(&op, h, n, t, l, state, layout, sets, us, bytes)?;
                                 }
                                 be.set_ring_kernel(None).map_err(kerr)?;
+                                if args.padded {
+                                    s.pad(&be)?;
+                                    let us = b.time(&mut s, kind, Some(&acc_buf))?;
+                                    let op = "spec-padded";
+                                    b.record(op, h, n, t, l, state, layout, sets, us, bytes)?;
+                                }
                             }
                         }
                         Kind::Replay => {

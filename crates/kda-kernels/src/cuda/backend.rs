@@ -66,8 +66,11 @@ struct Padded {
     /// The batch as prepared: the kernels launch for its sequences, the tensors hold its
     /// tokens (its slots are those it was prepared with; the live plan's replace them).
     full: BatchPlan,
-    /// `u32` on the device: the live sequences (the kernels' `live_seqs`).
+    /// `u32 [2]` on the device: the live sequences (the kernels' `live_seqs`) and the updates
+    /// so far (`call_epoch`: stochastic rounding draws fresh bits after each update).
     live: CudaBuffer,
+    /// The updates so far, as on the device.
+    updates: u32,
     /// Every slot an update gives lies below this; a call's pool must have at least as many.
     slot_bound: usize,
 }
@@ -422,7 +425,7 @@ impl CudaBackend {
         }
         plan.check_slots(slot_bound)?;
         let (bounds, slots) = self.upload_batch(&plan)?;
-        let live = self.mem.upload_staged(&[plan.num_seqs() as u32])?;
+        let live = self.mem.upload_staged(&[plan.num_seqs() as u32, 0])?;
         Ok(CudaBatch {
             plan: plan.clone(),
             bounds,
@@ -430,6 +433,7 @@ impl CudaBackend {
             padded: Some(Padded {
                 full: plan,
                 live,
+                updates: 0,
                 slot_bound,
             }),
         })
@@ -439,9 +443,11 @@ impl CudaBackend {
     /// its live ones, with these slots (distinct, below the batch's slot bound): the copies are
     /// ordered on the stream after every call enqueued before and before every one after,
     /// with no wait for the stream, so a captured graph replayed next computes exactly these
-    /// sequences. `slots` may be empty (a call then computes nothing). A batch of
-    /// [`Backend::prepare`], too many slots, a slot out of range or twice is an argument error
-    /// and changes nothing.
+    /// sequences. `slots` may be empty (a call then computes nothing). With stochastic
+    /// rounding a padded call draws from the layer's epoch plus the batch's updates so far
+    /// times 0x9e3779b9 (mod 2^32), so each step of a replayed graph rounds with fresh bits.
+    /// A batch of [`Backend::prepare`], too many slots, a slot out of range or twice is an
+    /// argument error and changes nothing.
     pub fn update_batch(&self, batch: &mut CudaBatch, slots: &[u32]) -> Result<()> {
         let Some(padded) = batch.padded.as_mut() else {
             return Err(KernelError::arg(
@@ -453,9 +459,11 @@ impl CudaBackend {
         // from the plan's own copy: the caller's slice may be pinned memory
         self.mem
             .write_staged(&mut batch.slots, 0, bytemuck::cast_slice(&live.slots))?;
-        let count = [live.num_seqs() as u32];
+        let updates = padded.updates.wrapping_add(1);
+        let words = [live.num_seqs() as u32, updates];
         self.mem
-            .write_staged(&mut padded.live, 0, bytemuck::cast_slice(&count))?;
+            .write_staged(&mut padded.live, 0, bytemuck::cast_slice(&words))?;
+        padded.updates = updates;
         batch.plan = live;
         Ok(())
     }

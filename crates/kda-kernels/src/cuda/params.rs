@@ -43,8 +43,9 @@ pub(crate) struct KdaParams {
     pub slots: u64,
     pub accepted: u64,
     pub err: u64,
-    /// `u32` count of the sequences computed, the first ones (0: all `n_seqs`): a padded
-    /// batch's (`CudaBackend::prepare_updatable`).
+    /// `u32 [2]`: the count of the sequences computed, the first ones, and the batch's
+    /// updates so far (0: all `n_seqs`, the layer's epoch): a padded batch's
+    /// (`CudaBackend::prepare_updatable`).
     pub live: u64,
     pub n_seqs: u32,
     pub h: u32,
