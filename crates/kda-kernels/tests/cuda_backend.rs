@@ -684,7 +684,7 @@ fn cuda_two_byte_ring_rounds_once_per_commit_nearest_and_stochastic_bit_for_bit(
 /// Asserts after step `step` that every slot of `slots` has the same ring record in `got` as in
 /// `want` (length and pending entries), with its arrival counter back at 0 in `got`.
 fn assert_same_ring_records(
-    step: usize,
+    step: impl std::fmt::Display + Copy,
     slots: &[u32],
     got: impl Fn(u32) -> RingMeta,
     want: impl Fn(u32) -> RingMeta,
@@ -724,7 +724,7 @@ fn ring_bytes(
 /// bits of the states.
 fn assert_twins_agree(
     cu: &CudaBackend,
-    step: usize,
+    step: impl std::fmt::Display + Copy,
     slots: &[u32],
     a: &TestLayer<kda_kernels::cuda::CudaBuffer>,
     b: &TestLayer<kda_kernels::cuda::CudaBuffer>,
@@ -1571,6 +1571,24 @@ fn rewrite_inputs(
     }
 }
 
+/// A padded call's output: asserts that every byte after its first `live` elements still holds
+/// the poison (0xff: the padding's outputs are not written) and returns those elements.
+fn live_output(
+    cu: &CudaBackend,
+    buf: &kda_kernels::cuda::CudaBuffer,
+    dtype: Dtype,
+    live: usize,
+    at: &str,
+) -> Vec<f32> {
+    let bytes = cu.memory().download(buf).expect("output");
+    let split = live * dtype.size();
+    assert!(
+        bytes[split..].iter().all(|&b| b == 0xff),
+        "{at}: an output of the padding was written"
+    );
+    dtype.decode_f32(&bytes[..split])
+}
+
 /// The live counts of the padded-batch tests' steps: full, one, none, then others.
 const LIVE_STEPS: [usize; 6] = [8, 1, 0, 5, 3, 8];
 
@@ -1637,13 +1655,7 @@ fn cuda_a_graph_of_a_padded_batch_decodes_each_steps_live_sequences_as_plain_cal
             cu.synchronize().expect("sync");
             cu.check_device_errors().expect("no device error");
             let at = format!("{what}, step {step}, {live} live");
-            let mut got_bytes = vec![0u8; out_bytes];
-            mem.read(&out_buf, 0, &mut got_bytes).expect("output");
-            let live_bytes = live * c.hv * c.v * c.input_dtype.size();
-            assert!(
-                got_bytes[live_bytes..].iter().all(|&b| b == 0xff),
-                "{at}: an output of the padding was written"
-            );
+            let got = live_output(&cu, &out_buf, c.input_dtype, live * c.hv * c.v, &at);
             if live > 0 {
                 if c.rounding != Rounding::Nearest {
                     // the epoch the replay rounded with (the captured one plus the updates so
@@ -1664,20 +1676,10 @@ fn cuda_a_graph_of_a_padded_batch_decodes_each_steps_live_sequences_as_plain_cal
                     &c.opts,
                 )
                 .expect("plain call");
-                let got = c.input_dtype.decode_f32(&got_bytes[..live_bytes]);
                 assert_bits_eq(&got, &want, &format!("{at}: outputs"));
             }
             // every slot, the live ones and the untouched rest
-            let g = graphed.read_states(mem, &every).expect("read");
-            let p = plain.read_states(mem, &every).expect("read");
-            assert_bits_eq(&g, &p, &format!("{at}: states"));
-            for &s in &every {
-                assert_eq!(
-                    graphed.meta(mem, s).unwrap(),
-                    plain.meta(mem, s).unwrap(),
-                    "{at}: ring record of slot {s}"
-                );
-            }
+            assert_twins_agree(&cu, at.as_str(), &every, &graphed, &plain);
         }
     }
 }
@@ -1742,13 +1744,7 @@ fn cuda_spec_verify_of_a_padded_batch_computes_its_live_sequences_as_a_plain_bat
             )
             .expect("padded call");
             let at = format!("{what}, step {step}, {live} live");
-            let mut got_bytes = vec![0u8; out_bytes];
-            mem.read(&out_buf, 0, &mut got_bytes).expect("output");
-            let live_bytes = live * T * c.hv * c.v * c.input_dtype.size();
-            assert!(
-                got_bytes[live_bytes..].iter().all(|&b| b == 0xff),
-                "{at}: an output of the padding was written"
-            );
+            let got = live_output(&cu, &out_buf, c.input_dtype, live * T * c.hv * c.v, &at);
             if live > 0 {
                 let tokens: Vec<usize> = (0..live * T).collect();
                 let want = run_tokens(
@@ -1761,19 +1757,9 @@ fn cuda_spec_verify_of_a_padded_batch_computes_its_live_sequences_as_a_plain_bat
                     &c.opts,
                 )
                 .expect("plain call");
-                let got = c.input_dtype.decode_f32(&got_bytes[..live_bytes]);
                 assert_bits_eq(&got, &want, &format!("{at}: outputs"));
             }
-            let g = padded.read_states(mem, &every).expect("read");
-            let p = plain.read_states(mem, &every).expect("read");
-            assert_bits_eq(&g, &p, &format!("{at}: states"));
-            for &s in &every {
-                assert_eq!(
-                    padded.meta(mem, s).unwrap(),
-                    plain.meta(mem, s).unwrap(),
-                    "{at}: ring record of slot {s}"
-                );
-            }
+            assert_twins_agree(&cu, at.as_str(), &every, &padded, &plain);
         }
     }
 }
