@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fault_kit::{plan, run_op, slot_bytes, Op, Rig, Tokens};
 use kda_kernels::api::Buf;
-use kda_kernels::cpu::CpuBackend;
+use kda_kernels::cpu::{CpuBackend, CpuBatch};
 use kda_kernels::{
     Backend, BatchPlan, IndexView, KdaOptions, KernelError, StepInputs, TensorView, TensorViewMut,
 };
@@ -74,7 +74,7 @@ impl Failing {
 
 impl Backend for Failing {
     type Memory = HostMemory;
-    type Batch = BatchPlan;
+    type Batch = CpuBatch;
 
     fn name(&self) -> &'static str {
         "failing"
@@ -82,12 +82,18 @@ impl Backend for Failing {
     fn memory(&self) -> &HostMemory {
         self.inner.memory()
     }
-    fn prepare(&self, plan: BatchPlan) -> kda_kernels::Result<BatchPlan> {
+    fn prepare(&self, plan: BatchPlan) -> kda_kernels::Result<CpuBatch> {
         self.inner.prepare(plan)
+    }
+    fn prepare_padded(&self, plan: BatchPlan, bound: usize) -> kda_kernels::Result<CpuBatch> {
+        self.inner.prepare_padded(plan, bound)
+    }
+    fn update_batch(&self, batch: &mut CpuBatch, slots: &[u32]) -> kda_kernels::Result<()> {
+        self.inner.update_batch(batch, slots)
     }
     fn prefill(
         &self,
-        batch: &BatchPlan,
+        batch: &CpuBatch,
         inputs: &StepInputs<'_, Buf<Self>>,
         opts: &KdaOptions,
         layer: &mut LayerMut<'_, Buf<Self>>,
@@ -99,7 +105,7 @@ impl Backend for Failing {
     }
     fn decode(
         &self,
-        batch: &BatchPlan,
+        batch: &CpuBatch,
         inputs: &StepInputs<'_, Buf<Self>>,
         opts: &KdaOptions,
         layer: &mut LayerMut<'_, Buf<Self>>,
@@ -111,7 +117,7 @@ impl Backend for Failing {
     }
     fn spec_verify(
         &self,
-        batch: &BatchPlan,
+        batch: &CpuBatch,
         accepted: &IndexView<'_, Buf<Self>>,
         inputs: &StepInputs<'_, Buf<Self>>,
         opts: &KdaOptions,
@@ -125,7 +131,7 @@ impl Backend for Failing {
     }
     fn replay(
         &self,
-        batch: &BatchPlan,
+        batch: &CpuBatch,
         accepted: Option<&IndexView<'_, Buf<Self>>>,
         opts: &KdaOptions,
         a_log: Option<&TensorView<'_, Buf<Self>>>,
@@ -172,7 +178,7 @@ impl Scenario {
     }
 
     /// Runs `op` on every layer with `be`.
-    fn op<B: Backend<Memory = HostMemory, Batch = BatchPlan>>(
+    fn op<B: Backend<Memory = HostMemory>>(
         &mut self,
         be: &B,
         op: Op,
@@ -200,7 +206,7 @@ impl Scenario {
     }
 
     /// Requests 0 and 1 in `slots`: a prefill of 10 tokens each, then 2 decodes.
-    fn serve_pair<B: Backend<Memory = HostMemory, Batch = BatchPlan>>(
+    fn serve_pair<B: Backend<Memory = HostMemory>>(
         &mut self,
         be: &B,
         slots: [u32; 2],
@@ -216,7 +222,7 @@ impl Scenario {
     }
 
     /// Request 2 alone in `slot`: a prefill of 12 tokens.
-    fn serve_lone<B: Backend<Memory = HostMemory, Batch = BatchPlan>>(
+    fn serve_lone<B: Backend<Memory = HostMemory>>(
         &mut self,
         be: &B,
         slot: u32,

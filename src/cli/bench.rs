@@ -138,7 +138,7 @@ pub struct Args {
     /// call where it exceeds the kernel's (0: no such row).
     #[arg(long, default_value_t = 0)]
     pub issue_calls: usize,
-    /// Also time decode and spec_verify through padded batches (`prepare_updatable`, every
+    /// Also time decode and spec_verify through padded batches (`prepare_padded`, every
     /// sequence live), as an engine's CUDA graphs call them: the rows `decode-padded`,
     /// `spec-padded`.
     #[arg(long)]
@@ -362,13 +362,13 @@ impl Setup {
         self.batches[0].as_ref().num_seqs()
     }
     /// Makes every slot set's batch a padded one of the same plan, every sequence live
-    /// ([`CudaBackend::prepare_updatable`]), as a graph of an engine's padded steps calls it.
+    /// ([`CudaBackend::prepare_padded`]), as a graph of an engine's padded steps calls it.
     fn pad(&mut self, be: &CudaBackend) -> Result<(), CliError> {
         let bound = self.geometry.total_slots();
         self.batches = self
             .batches
             .iter()
-            .map(|b| be.prepare_updatable(b.as_ref().clone(), bound))
+            .map(|b| be.prepare_padded(b.as_ref().clone(), bound))
             .collect::<Result<_, _>>()
             .map_err(kerr)?;
         Ok(())

@@ -158,6 +158,12 @@ impl Backend for Broken {
     fn prepare(&self, plan: BatchPlan) -> kda_kernels::Result<Self::Batch> {
         self.inner.prepare(plan)
     }
+    fn prepare_padded(&self, plan: BatchPlan, bound: usize) -> kda_kernels::Result<Self::Batch> {
+        self.inner.prepare_padded(plan, bound)
+    }
+    fn update_batch(&self, batch: &mut Self::Batch, slots: &[u32]) -> kda_kernels::Result<()> {
+        self.inner.update_batch(batch, slots)
+    }
     fn prefill(
         &self,
         batch: &Self::Batch,

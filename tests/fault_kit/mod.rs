@@ -143,7 +143,7 @@ pub fn plan(lens: &[usize], slots: &[u32]) -> BatchPlan {
 /// Runs `op` on `layer` of `pool` with backend `be` (any backend over host memory); the
 /// output is poisoned with NaN first and returned.
 #[allow(clippy::too_many_arguments)]
-pub fn run_op<B: Backend<Memory = HostMemory, Batch = BatchPlan>>(
+pub fn run_op<B: Backend<Memory = HostMemory>>(
     be: &B,
     pool: &mut StatePool<HostMemory>,
     a_log: &HostBuffer,
@@ -188,6 +188,7 @@ pub fn run_op<B: Backend<Memory = HostMemory, Batch = BatchPlan>>(
     let counts: Vec<u8> = accepted.iter().flat_map(|c| c.to_le_bytes()).collect();
     let counts = HostBuffer::from_bytes(&counts);
     let mut lv = pool.layer_mut(layer)?;
+    let plan = &be.prepare(plan.clone())?;
     match op {
         Op::Prefill => be.prefill(plan, &inputs, &opts(), &mut lv, &mut out)?,
         Op::Decode => be.decode(plan, &inputs, &opts(), &mut lv, &mut out)?,
@@ -230,7 +231,7 @@ impl Rig {
 
     /// Flushes the rings of `slots` in every layer (accepted counts when given).
     pub fn replay(&mut self, slots: &[u32], accepted: Option<&[u32]>) -> kda_kernels::Result<()> {
-        let p = plan(&vec![0; slots.len()], slots);
+        let p = self.be.prepare(plan(&vec![0; slots.len()], slots))?;
         let counts: Vec<u8> = accepted
             .unwrap_or(&[])
             .iter()

@@ -273,6 +273,23 @@ pub trait Backend: Send + Sync {
     /// Prepares a validated batch for repeated use.
     fn prepare(&self, plan: BatchPlan) -> Result<Self::Batch>;
 
+    /// Prepares a batch padded to `plan`'s sequences, all live at first. A call with it
+    /// computes only its live sequences (the first ones), reading and writing nothing of the
+    /// others (their slots, states, rings, inputs and outputs), while its tensors keep the
+    /// padded shape (`plan`'s tokens); [`Backend::update_batch`] changes the live sequences
+    /// and their slots in place. For CUDA graphs, whose launches and buffers are fixed: an
+    /// engine pads each step to a graph's size, its requests first. Every slot, now and in
+    /// updates, must lie below `slot_bound` (the pool's `total_slots()`; a call on a pool with
+    /// fewer slots is refused). An empty plan or a slot out of range is an argument error.
+    fn prepare_padded(&self, plan: BatchPlan, slot_bound: usize) -> Result<Self::Batch>;
+
+    /// Makes the first `slots.len()` sequences of a batch of [`Backend::prepare_padded`] its
+    /// live ones, with these slots (distinct, below its slot bound; may be empty, and a call
+    /// then computes nothing). On a GPU the update is ordered with the calls before and after
+    /// it, without waiting for them. A batch of [`Backend::prepare`], too many slots, a slot
+    /// out of range or twice is an argument error and changes nothing.
+    fn update_batch(&self, batch: &mut Self::Batch, slots: &[u32]) -> Result<()>;
+
     /// Varlen chunked prefill: each sequence starts from its slot's true state (pending ring
     /// entries are folded first, drafts dropped) and its final state is stored back.
     fn prefill(

@@ -66,8 +66,8 @@ impl CudaBatch {
     pub fn capacity(&self) -> usize {
         match *self {}
     }
-    /// Whether the batch was prepared by `prepare_updatable`.
-    pub fn is_updatable(&self) -> bool {
+    /// Whether the batch was prepared by `prepare_padded`.
+    pub fn is_padded(&self) -> bool {
         match *self {}
     }
 }
@@ -217,14 +217,6 @@ impl CudaBackend {
     pub fn check_device_errors(&self) -> Result<()> {
         match *self {}
     }
-    /// Prepares a batch padded to its sequences, whose live ones change in place.
-    pub fn prepare_updatable(&self, _plan: BatchPlan, _slot_bound: usize) -> Result<CudaBatch> {
-        match *self {}
-    }
-    /// Makes the first `slots.len()` sequences of an updatable batch live, with these slots.
-    pub fn update_batch(&self, _batch: &mut CudaBatch, _slots: &[u32]) -> Result<()> {
-        match *self {}
-    }
     /// Decode without host synchronisation.
     pub fn enqueue_decode(
         &self,
@@ -323,6 +315,12 @@ impl Backend for CudaBackend {
         match *self {}
     }
     fn prepare(&self, _plan: BatchPlan) -> Result<CudaBatch> {
+        match *self {}
+    }
+    fn prepare_padded(&self, _plan: BatchPlan, _slot_bound: usize) -> Result<CudaBatch> {
+        match *self {}
+    }
+    fn update_batch(&self, _batch: &mut CudaBatch, _slots: &[u32]) -> Result<()> {
         match *self {}
     }
     fn prefill(

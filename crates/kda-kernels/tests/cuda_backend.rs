@@ -15,11 +15,12 @@
 
 use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
-    assert_bits_eq, assert_refused, bad_input_case, batch_plan, check_rejects_bad_input,
+    assert_bits_eq, assert_layers_agree, assert_refused, bad_input_case, batch_plan,
+    check_padded_batch_matches_plain_batches, check_rejects_bad_input,
     check_ring_decode_matches_eager, check_ring_rounds_once_per_commit,
-    check_spec_verify_matches_eager, download, initial_states, layer_with_states, poisoned_output,
-    rel_frobenius_f32, run_replay, run_tokens, twin_layers, upload, upload_bytes, Case,
-    DeviceInputs, HostInputs, TestLayer, TokenOp,
+    check_spec_verify_matches_eager, download, initial_states, layer_with_states, live_output,
+    random_slots, rel_frobenius_f32, run_replay, run_tokens, twin_layers, upload, upload_bytes,
+    Case, DeviceInputs, HostInputs, TestLayer, TokenOp,
 };
 use kda_kernels::{
     Backend, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, RingKernel, TensorViewMut,
@@ -684,7 +685,7 @@ fn cuda_two_byte_ring_rounds_once_per_commit_nearest_and_stochastic_bit_for_bit(
 /// Asserts after step `step` that every slot of `slots` has the same ring record in `got` as in
 /// `want` (length and pending entries), with its arrival counter back at 0 in `got`.
 fn assert_same_ring_records(
-    step: impl std::fmt::Display + Copy,
+    step: usize,
     slots: &[u32],
     got: impl Fn(u32) -> RingMeta,
     want: impl Fn(u32) -> RingMeta,
@@ -724,7 +725,7 @@ fn ring_bytes(
 /// bits of the states.
 fn assert_twins_agree(
     cu: &CudaBackend,
-    step: impl std::fmt::Display + Copy,
+    step: usize,
     slots: &[u32],
     a: &TestLayer<kda_kernels::cuda::CudaBuffer>,
     b: &TestLayer<kda_kernels::cuda::CudaBuffer>,
@@ -1541,17 +1542,6 @@ fn cuda_memory_round_trips_and_allows_empty_buffers() {
     );
 }
 
-/// Random distinct slots of `0..pool`, `n` of them.
-fn random_slots(rng: &mut StdRng, pool: usize, n: usize) -> Vec<u32> {
-    let mut all: Vec<u32> = (0..pool as u32).collect();
-    for i in 0..n {
-        let j = rng.random_range(i..pool);
-        all.swap(i, j);
-    }
-    all.truncate(n);
-    all
-}
-
 /// Writes fresh token inputs (the gate parameters kept) into a call's input buffers.
 fn rewrite_inputs(
     cu: &CudaBackend,
@@ -1569,24 +1559,6 @@ fn rewrite_inputs(
     ] {
         mem.write(buf, 0, &d.encode_f32(values)).expect("inputs");
     }
-}
-
-/// A padded call's output: asserts that every byte after its first `live` elements still holds
-/// the poison (0xff: the padding's outputs are not written) and returns those elements.
-fn live_output(
-    cu: &CudaBackend,
-    buf: &kda_kernels::cuda::CudaBuffer,
-    dtype: Dtype,
-    live: usize,
-    at: &str,
-) -> Vec<f32> {
-    let bytes = cu.memory().download(buf).expect("output");
-    let split = live * dtype.size();
-    assert!(
-        bytes[split..].iter().all(|&b| b == 0xff),
-        "{at}: an output of the padding was written"
-    );
-    dtype.decode_f32(&bytes[..split])
 }
 
 /// The live counts of the padded-batch tests' steps: full, one, none, then others.
@@ -1624,9 +1596,9 @@ fn cuda_a_graph_of_a_padded_batch_decodes_each_steps_live_sequences_as_plain_cal
         let mut out_buf = upload_bytes(mem, &vec![0xff; out_bytes]).expect("output");
         let bounds: Vec<usize> = (0..=CAP).collect();
         let mut batch = cu
-            .prepare_updatable(batch_plan(&bounds, &every[..CAP]).unwrap(), POOL)
+            .prepare_padded(batch_plan(&bounds, &every[..CAP]).unwrap(), POOL)
             .expect("padded batch");
-        assert_eq!((batch.capacity(), batch.is_updatable()), (CAP, true));
+        assert_eq!((batch.capacity(), batch.is_padded()), (CAP, true));
         // the kernel compiled and loaded outside the capture, on a layer of its own
         let mut scratch = layer_with_states(&cu, c, &initial_states(c, &mut rng), &mut rng);
         let enqueue = |layer: &mut TestLayer<_>, out_buf: &mut _| {
@@ -1655,7 +1627,7 @@ fn cuda_a_graph_of_a_padded_batch_decodes_each_steps_live_sequences_as_plain_cal
             cu.synchronize().expect("sync");
             cu.check_device_errors().expect("no device error");
             let at = format!("{what}, step {step}, {live} live");
-            let got = live_output(&cu, &out_buf, c.input_dtype, live * c.hv * c.v, &at);
+            let got = live_output(mem, &out_buf, c.input_dtype, live * c.hv * c.v, &at);
             if live > 0 {
                 if c.rounding != Rounding::Nearest {
                     // the epoch the replay rounded with (the captured one plus the updates so
@@ -1679,167 +1651,40 @@ fn cuda_a_graph_of_a_padded_batch_decodes_each_steps_live_sequences_as_plain_cal
                 assert_bits_eq(&got, &want, &format!("{at}: outputs"));
             }
             // every slot, the live ones and the untouched rest
-            assert_twins_agree(&cu, at.as_str(), &every, &graphed, &plain);
+            assert_layers_agree(&cu, &graphed, &plain, &at);
         }
     }
 }
 
 #[test]
-fn cuda_spec_verify_of_a_padded_batch_computes_its_live_sequences_as_a_plain_batch_does() {
+fn cuda_a_padded_batch_computes_its_live_sequences_as_plain_batches_do() {
     let Some(cu) = cuda() else { return };
-    const CAP: usize = 8;
-    const POOL: usize = 20;
-    const T: usize = 2;
-    let every: Vec<u32> = (0..POOL as u32).collect();
-    for state in [Dtype::Fp32, Dtype::Fp16] {
+    let every: Vec<u32> = (0..20).collect();
+    let stochastic = Rounding::Stochastic {
+        seed: 0x5eed_0000_0052,
+    };
+    // (state, rounding, ring, tokens per sequence, spec)
+    let shapes = [
+        (Dtype::Fp32, Rounding::Nearest, 0, 1, false),
+        (Dtype::Bf16, Rounding::Nearest, 0, 1, false),
+        (Dtype::Fp16, stochastic, 0, 1, false),
+        (Dtype::Fp16, Rounding::Nearest, 8, 1, false),
+        (Dtype::Fp16, Rounding::Nearest, 6, 2, true),
+        (Dtype::Fp32, Rounding::Nearest, 6, 2, true),
+    ];
+    for (i, (state, rounding, ring_len, t, spec)) in shapes.into_iter().enumerate() {
         let c = Case {
-            ring_len: 2 * (T + 1),
-            ..eager_case(state, StateLayout::KFirst, Rounding::Nearest, &every)
+            ring_len,
+            ..eager_case(state, StateLayout::KFirst, rounding, &every)
         };
-        let what = format!("{state} pool, spec T {T}");
-        let mem = cu.memory();
-        let mut rng = StdRng::seed_from_u64(0x5eed_0000_0000_0052 + state.size() as u64);
-        let (mut padded, mut plain) = twin_layers(&cu, &c, &c, &mut rng);
-        let bounds: Vec<usize> = (0..=CAP).map(|i| i * T).collect();
-        let mut batch = cu
-            .prepare_updatable(batch_plan(&bounds, &every[..CAP]).unwrap(), POOL)
-            .expect("padded batch");
-        let first = HostInputs::random(&mut rng, c.dims(), CAP * T, &c.opts, c.input_dtype);
-        let mut dev = DeviceInputs::upload(mem, &first, &c.opts).expect("inputs");
-        let out_len = CAP * T * c.hv * c.v;
-        let out_bytes = out_len * c.input_dtype.size();
-        let mut out_buf = upload_bytes(mem, &vec![0xff; out_bytes]).expect("output");
-        let mut acc_buf = upload_bytes(mem, &[0u8; CAP * 4]).expect("accepted");
-        for (step, &live) in LIVE_STEPS.iter().enumerate() {
-            let slots = random_slots(&mut rng, POOL, live);
-            // each live slot accepts some of its drafts (none on its first verify)
-            let mut acc = vec![0u32; CAP];
-            for (a, &s) in acc.iter_mut().zip(&slots) {
-                *a = rng.random_range(0..=padded.meta(mem, s).unwrap().drafts());
-            }
-            mem.write(&mut acc_buf, 0, bytemuck::cast_slice(&acc))
-                .expect("accepted");
-            let host = HostInputs::random(&mut rng, c.dims(), CAP * T, &c.opts, c.input_dtype)
-                .with_gate_params(&first.a_log, &first.dt_bias);
-            rewrite_inputs(&cu, &mut dev, &host);
-            mem.write(&mut out_buf, 0, &vec![0xff; out_bytes])
-                .expect("poison");
-            cu.update_batch(&mut batch, &slots).expect("update");
-            let mut out = TensorViewMut {
-                buf: &mut out_buf,
-                dtype: c.input_dtype,
-                len: out_len,
-            };
-            let accepted = IndexView {
-                buf: &acc_buf,
-                len: CAP,
-            };
-            cu.spec_verify(
-                &batch,
-                &accepted,
-                &dev.view(),
-                &c.opts,
-                &mut padded.view(),
-                &mut out,
-            )
-            .expect("padded call");
-            let at = format!("{what}, step {step}, {live} live");
-            let got = live_output(&cu, &out_buf, c.input_dtype, live * T * c.hv * c.v, &at);
-            if live > 0 {
-                let tokens: Vec<usize> = (0..live * T).collect();
-                let want = run_tokens(
-                    &cu,
-                    &mut plain,
-                    TokenOp::SpecVerify(&acc[..live]),
-                    &bounds[..=live],
-                    &slots,
-                    &host.gather(&tokens),
-                    &c.opts,
-                )
-                .expect("plain call");
-                assert_bits_eq(&got, &want, &format!("{at}: outputs"));
-            }
-            assert_twins_agree(&cu, at.as_str(), &every, &padded, &plain);
-        }
+        check_padded_batch_matches_plain_batches(
+            &cu,
+            &c,
+            8,
+            t,
+            spec,
+            &LIVE_STEPS,
+            0x5eed_0000_0000_0052 + i as u64,
+        );
     }
-}
-
-/// Asserts an argument error naming `arg` whose message contains `needle`.
-fn refused<T: std::fmt::Debug>(r: kda_kernels::Result<T>, arg: &str, needle: &str) {
-    match r {
-        Err(KernelError::InvalidArgument { arg: a, msg }) => {
-            assert_eq!(a, arg, "refused, but naming {a} ({msg})");
-            assert!(msg.contains(needle), "{msg:?} does not say {needle:?}");
-        }
-        other => panic!("expected an error naming {arg} ({needle}), got {other:?}"),
-    }
-}
-
-#[test]
-fn cuda_padded_batches_refuse_bad_updates_and_pools_with_fewer_slots() {
-    let Some(cu) = cuda() else { return };
-    let bounds: Vec<usize> = (0..=4).collect();
-    let plan = batch_plan(&bounds, &[0, 1, 2, 3]).unwrap();
-    refused(
-        cu.prepare_updatable(batch_plan(&[0], &[]).unwrap(), 8),
-        "slots",
-        "at least one sequence",
-    );
-    refused(
-        cu.prepare_updatable(plan.clone(), 3),
-        "slots",
-        "out of range",
-    );
-    let mut batch = cu.prepare_updatable(plan.clone(), 8).expect("padded batch");
-    refused(
-        cu.update_batch(&mut batch, &[0, 1, 2, 3, 4]),
-        "slots",
-        "at most 4",
-    );
-    refused(cu.update_batch(&mut batch, &[9]), "slots", "out of range");
-    refused(cu.update_batch(&mut batch, &[5, 5]), "slots", "twice");
-    assert_eq!(
-        batch.as_ref().slots,
-        [0, 1, 2, 3],
-        "a refused update changes nothing"
-    );
-    let mut fixed = cu.prepare(plan).expect("batch");
-    assert!(!fixed.is_updatable());
-    refused(
-        cu.update_batch(&mut fixed, &[0]),
-        "batch",
-        "prepare_updatable",
-    );
-    // a call on a pool of fewer slots than the batch's bound
-    cu.update_batch(&mut batch, &[1, 0]).expect("update");
-    let c = Case {
-        total_slots: 6,
-        ..eager_case(
-            Dtype::Fp16,
-            StateLayout::KFirst,
-            Rounding::Nearest,
-            &[0, 1, 2, 3],
-        )
-    };
-    let mut rng = StdRng::seed_from_u64(0x5eed_0000_0000_0053);
-    let mut layer = layer_with_states(&cu, &c, &initial_states(&c, &mut rng), &mut rng);
-    let host = HostInputs::random(&mut rng, c.dims(), 4, &c.opts, c.input_dtype);
-    let dev = DeviceInputs::upload(cu.memory(), &host, &c.opts).expect("inputs");
-    let mut out_buf = poisoned_output(cu.memory(), c.input_dtype, 4 * c.hv * c.v).unwrap();
-    let before = layer.snapshot(cu.memory()).unwrap();
-    let mut out = TensorViewMut {
-        buf: &mut out_buf,
-        dtype: c.input_dtype,
-        len: 4 * c.hv * c.v,
-    };
-    refused(
-        cu.decode(&batch, &dev.view(), &c.opts, &mut layer.view(), &mut out),
-        "batch",
-        "slots below 8",
-    );
-    assert_eq!(
-        layer.snapshot(cu.memory()).unwrap(),
-        before,
-        "the pool changed"
-    );
 }

@@ -3,9 +3,10 @@
 //! byte-identical; the guards of the test kit catch a backend that breaks its promises.
 
 use kda_kernels::api::{Buf, IndexView, StepInputs, TensorView, TensorViewMut};
+use kda_kernels::cpu::CpuBatch;
 use kda_kernels::testing::{
-    assert_refused, bad_input_case, check_rejects_bad_input, initial_states, layer_with_states,
-    run_replay, run_tokens, Case, DeviceInputs, HostInputs, TokenOp,
+    assert_refused, check_rejects_bad_input, initial_states, layer_with_states, run_replay,
+    run_tokens, Case, HostInputs, TokenOp,
 };
 use kda_kernels::{Backend, BatchPlan, CpuBackend, KdaOptions, Result};
 use rand::rngs::StdRng;
@@ -95,43 +96,24 @@ fn every_operation_leaves_unnamed_slots_untouched_and_writes_every_output() {
 }
 
 #[test]
-fn hand_built_batches_are_checked_by_the_operations_too() {
-    // The CPU batch is a BatchPlan with public fields: an operation must not trust it.
+fn hand_built_plans_are_refused_by_prepare_and_prepare_padded() {
+    // BatchPlan's fields are public; a batch of the CPU backend is only made from a checked
+    // plan (and its operations check the plan again).
     let be = CpuBackend;
-    let mut rng = StdRng::seed_from_u64(4);
-    let case = bad_input_case();
-    let init = initial_states(&case, &mut rng);
-    let mut layer = layer_with_states(&be, &case, &init, &mut rng);
-    let inputs = HostInputs::random(&mut rng, case.dims(), 2, &case.opts, case.input_dtype);
-    let dev = DeviceInputs::upload(be.memory(), &inputs, &case.opts).expect("upload");
-    let before = layer.snapshot(be.memory()).expect("snapshot");
     for (bounds, slots, arg) in [
         (vec![0, 1, 2], vec![3, 3], "slots"),
         (vec![0, 2, 1], vec![0, 3], "cu_seqlens"),
         (vec![1, 1, 2], vec![0, 3], "cu_seqlens"),
         (vec![0, 1, 2, 2], vec![0, 3], "cu_seqlens"),
     ] {
-        let batch = BatchPlan { bounds, slots };
-        let mut out = HostBuffer::zeroed(2 * case.hv * case.v * 2);
-        let mut view = TensorViewMut {
-            buf: &mut out,
-            dtype: case.input_dtype,
-            len: 2 * case.hv * case.v,
-        };
-        let r = be.prefill(
-            &batch,
-            &dev.view(),
-            &case.opts,
-            &mut layer.view(),
-            &mut view,
+        let plan = BatchPlan { bounds, slots };
+        assert_refused(be.prepare(plan.clone()), arg, &format!("prepare {plan:?}"));
+        assert_refused(
+            be.prepare_padded(plan.clone(), 8),
+            arg,
+            &format!("prepare_padded {plan:?}"),
         );
-        assert_refused(r, arg, &format!("{batch:?}"));
-        assert_refused(be.prepare(batch.clone()), arg, "prepare");
     }
-    assert!(
-        before == layer.snapshot(be.memory()).expect("snapshot"),
-        "the pool changed"
-    );
 }
 
 /// A backend that runs the CPU backend and then breaks one promise.
@@ -159,19 +141,25 @@ impl Broken {
 
 impl Backend for Broken {
     type Memory = HostMemory;
-    type Batch = BatchPlan;
+    type Batch = CpuBatch;
     fn name(&self) -> &'static str {
         "broken"
     }
     fn memory(&self) -> &HostMemory {
         CpuBackend.memory()
     }
-    fn prepare(&self, plan: BatchPlan) -> Result<BatchPlan> {
+    fn prepare(&self, plan: BatchPlan) -> Result<CpuBatch> {
         CpuBackend.prepare(plan)
+    }
+    fn prepare_padded(&self, plan: BatchPlan, slot_bound: usize) -> Result<CpuBatch> {
+        CpuBackend.prepare_padded(plan, slot_bound)
+    }
+    fn update_batch(&self, batch: &mut CpuBatch, slots: &[u32]) -> Result<()> {
+        CpuBackend.update_batch(batch, slots)
     }
     fn prefill(
         &self,
-        b: &BatchPlan,
+        b: &CpuBatch,
         i: &StepInputs<'_, Buf<Self>>,
         o: &KdaOptions,
         l: &mut LayerMut<'_, HostBuffer>,
@@ -183,7 +171,7 @@ impl Backend for Broken {
     }
     fn decode(
         &self,
-        b: &BatchPlan,
+        b: &CpuBatch,
         i: &StepInputs<'_, Buf<Self>>,
         o: &KdaOptions,
         l: &mut LayerMut<'_, HostBuffer>,
@@ -195,7 +183,7 @@ impl Backend for Broken {
     }
     fn spec_verify(
         &self,
-        b: &BatchPlan,
+        b: &CpuBatch,
         a: &IndexView<'_, HostBuffer>,
         i: &StepInputs<'_, Buf<Self>>,
         o: &KdaOptions,
@@ -208,7 +196,7 @@ impl Backend for Broken {
     }
     fn replay(
         &self,
-        b: &BatchPlan,
+        b: &CpuBatch,
         a: Option<&IndexView<'_, HostBuffer>>,
         o: &KdaOptions,
         al: Option<&TensorView<'_, HostBuffer>>,

@@ -27,11 +27,47 @@ use crate::api::{
 };
 use crate::error::{KernelError, Result};
 use exec::Exec;
-use validate::{check_layer, validate_call, CallArgs, Op};
+use validate::{check_layer, validate_call, CallArgs, Op, PaddedShape};
 
 /// The CPU backend: the oracle of every GPU backend.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
+
+/// A batch prepared for the CPU backend: the plan a call computes (a padded batch's live
+/// sequences) and a padded batch's shape ([`Backend::prepare_padded`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuBatch {
+    plan: BatchPlan,
+    padded: Option<PaddedShape>,
+}
+
+impl CpuBatch {
+    /// The sequences the batch's tensors hold: every one of the plan, or a padded batch's
+    /// padded size.
+    pub fn capacity(&self) -> usize {
+        self.padded
+            .as_ref()
+            .map_or(self.plan.num_seqs(), |p| p.full.num_seqs())
+    }
+
+    /// The tokens the tensors hold where they are more than the plan's (a padded batch).
+    fn tensor_tokens(&self) -> Option<usize> {
+        self.padded.as_ref().map(|p| p.full.num_tokens())
+    }
+
+    /// The padded-shape checks of a call of `op` on a layer of `geometry` (none unpadded).
+    fn check_padded(&self, op: Op, geometry: &state_pool::PoolGeometry) -> Result<()> {
+        self.padded
+            .as_ref()
+            .map_or(Ok(()), |p| p.check_call(op, geometry))
+    }
+}
+
+impl AsRef<BatchPlan> for CpuBatch {
+    fn as_ref(&self) -> &BatchPlan {
+        &self.plan
+    }
+}
 
 /// The host memory every CPU pool and tensor lives in.
 static HOST: HostMemory = HostMemory;
@@ -43,10 +79,15 @@ impl CpuBackend {
     }
 }
 
-/// Reads the accepted counts after checking their length and buffer.
-fn accepted_counts<'a>(acc: &IndexView<'a, HostBuffer>, n: usize) -> Result<&'a [u32]> {
-    validate::check_accepted(&HOST, acc, n)?;
-    Ok(tensor::elems(acc.buf, n))
+/// Reads the first `live` accepted counts after checking the view's length (one per
+/// sequence of the batch, `capacity`) and buffer.
+fn accepted_counts<'a>(
+    acc: &IndexView<'a, HostBuffer>,
+    capacity: usize,
+    live: usize,
+) -> Result<&'a [u32]> {
+    validate::check_accepted(&HOST, acc, capacity)?;
+    Ok(tensor::elems(acc.buf, live))
 }
 
 /// The ring bookkeeping of the batch's slots (validated in range), default without a ring.
@@ -83,7 +124,7 @@ impl CpuBackend {
     fn run_tokens(
         &self,
         op: Op,
-        plan: &BatchPlan,
+        batch: &CpuBatch,
         accepted: Option<&IndexView<'_, HostBuffer>>,
         inputs: &StepInputs<'_, HostBuffer>,
         opts: &KdaOptions,
@@ -91,10 +132,12 @@ impl CpuBackend {
         out: &mut TensorViewMut<'_, HostBuffer>,
     ) -> Result<()> {
         let g = layer.geometry;
+        let plan = &batch.plan;
         check_layer(&HOST, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
+        batch.check_padded(op, g)?;
         let metas = batch_metas(layer, plan)?;
         let accepted = accepted
-            .map(|a| accepted_counts(a, plan.num_seqs()))
+            .map(|a| accepted_counts(a, batch.capacity(), plan.num_seqs()))
             .transpose()?;
         if out.buf.len() < out.len * out.dtype.size() {
             return Err(KernelError::arg(
@@ -121,7 +164,7 @@ impl CpuBackend {
                 out: Some((out.dtype, out.len)),
                 accepted,
                 metas: &metas,
-                tensor_tokens: None,
+                tensor_tokens: batch.tensor_tokens(),
             },
         )?;
         let input = call.input_dtype.unwrap_or(inputs.q.dtype);
@@ -143,7 +186,7 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     type Memory = HostMemory;
-    type Batch = BatchPlan;
+    type Batch = CpuBatch;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -153,14 +196,28 @@ impl Backend for CpuBackend {
         &HOST
     }
 
-    fn prepare(&self, plan: BatchPlan) -> Result<BatchPlan> {
+    fn prepare(&self, plan: BatchPlan) -> Result<CpuBatch> {
         validate::check_plan(&plan)?;
-        Ok(plan)
+        Ok(CpuBatch { plan, padded: None })
+    }
+
+    fn prepare_padded(&self, plan: BatchPlan, slot_bound: usize) -> Result<CpuBatch> {
+        let shape = PaddedShape::new(plan, slot_bound)?;
+        Ok(CpuBatch {
+            plan: shape.full.clone(),
+            padded: Some(shape),
+        })
+    }
+
+    fn update_batch(&self, batch: &mut CpuBatch, slots: &[u32]) -> Result<()> {
+        let shape = batch.padded.as_ref().ok_or_else(validate::not_padded)?;
+        batch.plan = shape.live(slots)?;
+        Ok(())
     }
 
     fn prefill(
         &self,
-        batch: &BatchPlan,
+        batch: &CpuBatch,
         inputs: &StepInputs<'_, HostBuffer>,
         opts: &KdaOptions,
         layer: &mut LayerMut<'_, HostBuffer>,
@@ -171,7 +228,7 @@ impl Backend for CpuBackend {
 
     fn decode(
         &self,
-        batch: &BatchPlan,
+        batch: &CpuBatch,
         inputs: &StepInputs<'_, HostBuffer>,
         opts: &KdaOptions,
         layer: &mut LayerMut<'_, HostBuffer>,
@@ -182,7 +239,7 @@ impl Backend for CpuBackend {
 
     fn spec_verify(
         &self,
-        batch: &BatchPlan,
+        batch: &CpuBatch,
         accepted: &IndexView<'_, HostBuffer>,
         inputs: &StepInputs<'_, HostBuffer>,
         opts: &KdaOptions,
@@ -202,7 +259,7 @@ impl Backend for CpuBackend {
 
     fn replay(
         &self,
-        batch: &BatchPlan,
+        batch: &CpuBatch,
         accepted: Option<&IndexView<'_, HostBuffer>>,
         opts: &KdaOptions,
         a_log: Option<&TensorView<'_, HostBuffer>>,
@@ -210,17 +267,19 @@ impl Backend for CpuBackend {
         layer: &mut LayerMut<'_, HostBuffer>,
     ) -> Result<()> {
         let g = layer.geometry;
+        let plan = &batch.plan;
         check_layer(&HOST, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
-        let metas = batch_metas(layer, batch)?;
+        batch.check_padded(Op::Replay, g)?;
+        let metas = batch_metas(layer, plan)?;
         let accepted = accepted
-            .map(|a| accepted_counts(a, batch.num_seqs()))
+            .map(|a| accepted_counts(a, batch.capacity(), plan.num_seqs()))
             .transpose()?;
         let call = validate_call(
             &HOST,
             g,
             &CallArgs {
                 op: Op::Replay,
-                plan: batch,
+                plan,
                 inputs: None,
                 a_log,
                 dt_bias,
@@ -228,7 +287,7 @@ impl Backend for CpuBackend {
                 out: None,
                 accepted,
                 metas: &metas,
-                tensor_tokens: None,
+                tensor_tokens: batch.tensor_tokens(),
             },
         )?;
         if g.ring_len == 0 {

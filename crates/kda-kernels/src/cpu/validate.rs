@@ -117,7 +117,7 @@ pub struct CallArgs<'a, B> {
     /// The ring bookkeeping of each sequence's slot, in batch order (default without a ring).
     pub metas: &'a [RingMeta],
     /// The tokens the per-token tensors (inputs and output) hold where that is more than
-    /// the plan's: a batch padded to a fixed size (the CUDA backend's `prepare_updatable`)
+    /// the plan's: a batch padded to a fixed size (the CUDA backend's `prepare_padded`)
     /// whose plan is its live prefix; `None`: the plan's tokens.
     pub tensor_tokens: Option<usize>,
 }
@@ -276,6 +276,64 @@ pub fn check_plan(plan: &BatchPlan) -> Result<()> {
     }
     let cu: Vec<i64> = plan.bounds.iter().map(|&b| b as i64).collect();
     BatchPlan::new(CuSeqlens::I64(&cu), &plan.slots, plan.num_tokens()).map(|_| ())
+}
+
+/// The padded shape of a batch of [`crate::Backend::prepare_padded`]: its calls launch for
+/// (and their tensors hold) every sequence of `full`; its live plan says which are computed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PaddedShape {
+    /// The batch as prepared (its slots are only those it was prepared with).
+    pub full: BatchPlan,
+    /// Every slot an update gives lies below this; a call's pool must have at least as many.
+    pub slot_bound: usize,
+}
+
+impl PaddedShape {
+    /// Checks a plan to pad: at least one sequence, every slot below `slot_bound`.
+    pub fn new(plan: BatchPlan, slot_bound: usize) -> Result<Self> {
+        check_plan(&plan)?;
+        if plan.num_seqs() == 0 {
+            return Err(KernelError::arg(
+                "slots",
+                "is empty; a padded batch holds at least one sequence",
+            ));
+        }
+        plan.check_slots(slot_bound)?;
+        Ok(Self {
+            full: plan,
+            slot_bound,
+        })
+    }
+
+    /// The live plan of an update ([`BatchPlan::with_live_slots`]).
+    pub fn live(&self, slots: &[u32]) -> Result<BatchPlan> {
+        self.full.with_live_slots(slots, self.slot_bound)
+    }
+
+    /// Checks a call of `op` with the batch on a layer of `geometry`: the pool has the
+    /// batch's slots, and every sequence of the padded size fits the operation (a later
+    /// update may make any of them live, and a captured graph replays without these checks).
+    pub fn check_call(&self, op: Op, geometry: &PoolGeometry) -> Result<()> {
+        if self.slot_bound > geometry.total_slots() {
+            return Err(KernelError::arg(
+                "batch",
+                format!(
+                    "was prepared for slots below {}; this layer's pool has {}",
+                    self.slot_bound,
+                    geometry.total_slots()
+                ),
+            ));
+        }
+        check_seq_lengths(op, &self.full, geometry.ring_len)
+    }
+}
+
+/// The error of [`crate::Backend::update_batch`] on a batch of [`crate::Backend::prepare`].
+pub fn not_padded() -> KernelError {
+    KernelError::arg(
+        "batch",
+        "was made by prepare; only a batch of prepare_padded takes new slots",
+    )
 }
 
 /// Checks each sequence's token count against the operation: decode 1, spec_verify at most

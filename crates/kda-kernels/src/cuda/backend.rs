@@ -41,7 +41,7 @@ use crate::api::{
 };
 use crate::choice::{EagerKernel, RingKernel};
 use crate::cpu::validate::{
-    check_accepted, check_layer, check_seq_lengths, validate_call, CallArgs, Op,
+    check_accepted, check_layer, not_padded, validate_call, CallArgs, Op, PaddedShape,
 };
 use crate::error::{KernelError, Result};
 use crate::precompile::GpuArch;
@@ -50,46 +50,43 @@ type Buf = CudaBuffer;
 
 /// A batch prepared for the CUDA backend: the validated plan and device copies of the
 /// sequence bounds and slots (`u32`). [`Backend::prepare`] makes one for its plan;
-/// [`CudaBackend::prepare_updatable`] one padded to a fixed number of sequences, whose live
-/// sequences and their slots [`CudaBackend::update_batch`] changes in place (for CUDA graphs).
+/// [`Backend::prepare_padded`] one padded to a fixed number of sequences, whose live sequences
+/// and their slots [`Backend::update_batch`] changes in place (for CUDA graphs).
 pub struct CudaBatch {
     /// What a call computes: every sequence, or a padded batch's live ones.
     plan: BatchPlan,
     bounds: CudaBuffer,
     slots: CudaBuffer,
-    /// A padded batch's launch shape and live count; `None` for [`Backend::prepare`]'s.
+    /// A padded batch's shape and live count; `None` for [`Backend::prepare`]'s.
     padded: Option<Padded>,
 }
 
-/// What a padded batch ([`CudaBackend::prepare_updatable`]) keeps besides its live plan.
+/// What a padded batch keeps besides its live plan.
 struct Padded {
-    /// The batch as prepared: the kernels launch for its sequences, the tensors hold its
-    /// tokens (its slots are those it was prepared with; the live plan's replace them).
-    full: BatchPlan,
+    /// The padded shape: the kernels launch for its sequences, the tensors hold its tokens.
+    shape: PaddedShape,
     /// `u32 [2]` on the device: the live sequences (the kernels' `live_seqs`) and the updates
     /// so far (`call_epoch`: stochastic rounding draws fresh bits after each update).
     live: CudaBuffer,
     /// The updates so far, as on the device.
     updates: u32,
-    /// Every slot an update gives lies below this; a call's pool must have at least as many.
-    slot_bound: usize,
 }
 
 impl CudaBatch {
     /// The sequences the kernels are launched for: every one of the plan, or a padded batch's
-    /// capacity (its tail is not computed).
+    /// padded size (its tail is not computed).
     pub fn capacity(&self) -> usize {
         self.launch_plan().num_seqs()
     }
 
-    /// Whether the batch was prepared by [`CudaBackend::prepare_updatable`].
-    pub fn is_updatable(&self) -> bool {
+    /// Whether the batch was prepared by [`Backend::prepare_padded`].
+    pub fn is_padded(&self) -> bool {
         self.padded.is_some()
     }
 
-    /// The plan the kernels are launched for (a padded batch's whole capacity).
+    /// The plan the kernels are launched for (a padded batch's whole size).
     fn launch_plan(&self) -> &BatchPlan {
-        self.padded.as_ref().map_or(&self.plan, |p| &p.full)
+        self.padded.as_ref().map_or(&self.plan, |p| &p.shape.full)
     }
 }
 
@@ -407,67 +404,6 @@ impl CudaBackend {
         })
     }
 
-    /// Prepares `plan` as a batch padded to its sequences (its capacity), of which the first
-    /// ones are live: a call computes only those, reading and writing nothing of the others
-    /// (their slots, states, rings, inputs, outputs), while its tensors and its launch keep
-    /// the capacity's shape. [`CudaBackend::update_batch`] changes the live sequences and
-    /// their slots in place, on the stream, so a graph captured once with this batch replays
-    /// each step's requests (the engine pads its steps to the graph's size, requests first).
-    /// Every slot, now and in updates, must lie below `slot_bound` (the pool's
-    /// `total_slots()`; a call on a pool with fewer slots is refused). All sequences are live
-    /// at first. An empty plan or a slot out of range is an argument error.
-    pub fn prepare_updatable(&self, plan: BatchPlan, slot_bound: usize) -> Result<CudaBatch> {
-        if plan.num_seqs() == 0 {
-            return Err(KernelError::arg(
-                "slots",
-                "is empty; an updatable batch holds at least one sequence",
-            ));
-        }
-        plan.check_slots(slot_bound)?;
-        let (bounds, slots) = self.upload_batch(&plan)?;
-        let live = self.mem.upload_staged(&[plan.num_seqs() as u32, 0])?;
-        Ok(CudaBatch {
-            plan: plan.clone(),
-            bounds,
-            slots,
-            padded: Some(Padded {
-                full: plan,
-                live,
-                updates: 0,
-                slot_bound,
-            }),
-        })
-    }
-
-    /// Makes the first `slots.len()` sequences of a batch of [`CudaBackend::prepare_updatable`]
-    /// its live ones, with these slots (distinct, below the batch's slot bound): the copies are
-    /// ordered on the stream after every call enqueued before and before every one after,
-    /// with no wait for the stream, so a captured graph replayed next computes exactly these
-    /// sequences. `slots` may be empty (a call then computes nothing). With stochastic
-    /// rounding a padded call draws from the layer's epoch plus the batch's updates so far
-    /// times 0x9e3779b9 (mod 2^32), so each step of a replayed graph rounds with fresh bits.
-    /// A batch of [`Backend::prepare`], too many slots, a slot out of range or twice is an
-    /// argument error and changes nothing.
-    pub fn update_batch(&self, batch: &mut CudaBatch, slots: &[u32]) -> Result<()> {
-        let Some(padded) = batch.padded.as_mut() else {
-            return Err(KernelError::arg(
-                "batch",
-                "was made by prepare; only a batch of prepare_updatable takes new slots",
-            ));
-        };
-        let live = padded.full.with_live_slots(slots, padded.slot_bound)?;
-        // from the plan's own copy: the caller's slice may be pinned memory
-        self.mem
-            .write_staged(&mut batch.slots, 0, bytemuck::cast_slice(&live.slots))?;
-        let updates = padded.updates.wrapping_add(1);
-        let words = [live.num_seqs() as u32, updates];
-        self.mem
-            .write_staged(&mut padded.live, 0, bytemuck::cast_slice(&words))?;
-        padded.updates = updates;
-        batch.plan = live;
-        Ok(())
-    }
-
     /// Device copies of a plan's bounds and slots, enqueued without waiting for the stream.
     fn upload_batch(&self, plan: &BatchPlan) -> Result<(CudaBuffer, CudaBuffer)> {
         let bounds = plan
@@ -579,18 +515,7 @@ impl CudaBackend {
         let n = plan.num_seqs();
         check_layer(&self.mem, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
         if let Some(padded) = &call.batch.padded {
-            if padded.slot_bound > g.total_slots() {
-                return Err(KernelError::arg(
-                    "batch",
-                    format!(
-                        "was prepared for slots below {}; this layer's pool has {}",
-                        padded.slot_bound,
-                        g.total_slots()
-                    ),
-                ));
-            }
-            // the kernels launch for every sequence (a later update may make any live)
-            check_seq_lengths(call.op, &padded.full, g.ring_len)?;
+            padded.shape.check_call(call.op, g)?;
         }
         if let Some((dtype, len, buf)) = call.out_shape {
             if buf < len * dtype.size() {
@@ -635,7 +560,11 @@ impl CudaBackend {
                 out: call.out_shape.map(|(d, l, _)| (d, l)),
                 accepted: accepted_host.as_deref(),
                 metas: &metas,
-                tensor_tokens: call.batch.padded.as_ref().map(|p| p.full.num_tokens()),
+                tensor_tokens: call
+                    .batch
+                    .padded
+                    .as_ref()
+                    .map(|p| p.shape.full.num_tokens()),
             },
         )
     }
@@ -1064,6 +993,43 @@ impl Backend for CudaBackend {
             slots,
             padded: None,
         })
+    }
+
+    /// The kernels launch for the padded size and read a live count the update writes next to
+    /// the slots (docs/architecture.md, "Padded batches").
+    fn prepare_padded(&self, plan: BatchPlan, slot_bound: usize) -> Result<CudaBatch> {
+        let shape = PaddedShape::new(plan, slot_bound)?;
+        let (bounds, slots) = self.upload_batch(&shape.full)?;
+        let live = self.mem.upload_staged(&[shape.full.num_seqs() as u32, 0])?;
+        Ok(CudaBatch {
+            plan: shape.full.clone(),
+            bounds,
+            slots,
+            padded: Some(Padded {
+                shape,
+                live,
+                updates: 0,
+            }),
+        })
+    }
+
+    /// Two copies on the stream, without a wait: the slots, then the live count and the
+    /// updates so far. With stochastic rounding a padded call draws from the layer's epoch
+    /// plus the batch's updates times 0x9e3779b9 (mod 2^32), so each step of a replayed graph
+    /// rounds with fresh bits.
+    fn update_batch(&self, batch: &mut CudaBatch, slots: &[u32]) -> Result<()> {
+        let padded = batch.padded.as_mut().ok_or_else(not_padded)?;
+        let live = padded.shape.live(slots)?;
+        // from the plan's own copy: the caller's slice may be pinned memory
+        self.mem
+            .write_staged(&mut batch.slots, 0, bytemuck::cast_slice(&live.slots))?;
+        let updates = padded.updates.wrapping_add(1);
+        let words = [live.num_seqs() as u32, updates];
+        self.mem
+            .write_staged(&mut padded.live, 0, bytemuck::cast_slice(&words))?;
+        padded.updates = updates;
+        batch.plan = live;
+        Ok(())
     }
 
     /// Validates the call like every operation (bad input is an argument error naming it),

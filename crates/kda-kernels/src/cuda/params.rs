@@ -45,7 +45,7 @@ pub(crate) struct KdaParams {
     pub err: u64,
     /// `u32 [2]`: the count of the sequences computed, the first ones, and the batch's
     /// updates so far (0: all `n_seqs`, the layer's epoch): a padded batch's
-    /// (`CudaBackend::prepare_updatable`).
+    /// (`CudaBackend::prepare_padded`).
     pub live: u64,
     pub n_seqs: u32,
     pub h: u32,

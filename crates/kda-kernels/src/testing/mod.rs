@@ -19,6 +19,7 @@ pub mod bad_input;
 pub mod checks;
 pub mod data;
 pub mod layer;
+pub mod padded;
 
 pub use bad_input::{assert_refused, bad_input_case, check_rejects_bad_input};
 pub use checks::*;
@@ -29,4 +30,7 @@ pub use data::{
 pub use layer::{
     download, guarded, poisoned_output, run_replay, run_tokens, upload, upload_bytes, DeviceInputs,
     Snapshot, TestLayer, TokenOp,
+};
+pub use padded::{
+    assert_layers_agree, check_padded_batch_matches_plain_batches, live_output, random_slots,
 };
