@@ -723,8 +723,8 @@ __device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) {
 
 // The sequences the call computes: all n_seqs, or with p.live (a batch padded to a fixed size,
 // as a CUDA graph replays it) the first ones, as many as the host wrote there before the call
-// (early_u32: safe before the wait). The kernels neither read nor write anything of the others:
-// their slots, states, rings, inputs and outputs.
+// (early_u32: safe before the wait). The kernels neither read nor write the others' slots,
+// states, rings and outputs, nor use their inputs.
 __device__ __forceinline__ kda_u32 live_seqs(const KdaParams& p) {
     return p.live != 0u ? min(early_u32(p.live, 0), p.n_seqs) : p.n_seqs;
 }

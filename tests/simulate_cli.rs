@@ -171,6 +171,16 @@ fn bf16_from_the_environment_with_a_decode_ring_and_no_prefixes() {
 }
 
 #[test]
+fn padded_steps_serve_every_request_right_and_are_counted() {
+    let (o, j) = simulate_json(&["--spec-tokens", "2", "--pad-to", "4"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(j["ok"], true, "{j:#}");
+    assert_eq!(j["pad_to"], 4);
+    assert!(num(&j, &["padded_steps"]) > 0.0, "{j:#}");
+    assert_eq!(num(&j, &["violations"]), 0.0, "{j:#}");
+}
+
+#[test]
 fn text_summary_names_the_numbers() {
     let mut args = SMALL.to_vec();
     args.extend_from_slice(&["--spec-tokens", "2"]);
@@ -235,6 +245,19 @@ fn bad_input_is_one_line_and_exit_code_2() {
         "at least 4",
     );
     assert_usage_error(&["--backend", "cuda"], &[], "no prefill yet");
+    assert_usage_error(&["--pad-to", "0"], &[], "--pad-to 0: expected 1..=12");
+    assert_usage_error(
+        &[
+            "--pad-to",
+            "7",
+            "--max-running",
+            "4",
+            "--checkpoint-slots",
+            "2",
+        ],
+        &[],
+        "--pad-to 7: expected 1..=6",
+    );
     assert_usage_error(&["--dtype", "fp8"], &[], "fp8");
     assert_usage_error(&[], &[("KDA_SSM_DTYPE", "fp12")], "KDA_SSM_DTYPE");
     assert_usage_error(&["--io-dtype", "int8"], &[], "--io-dtype");

@@ -86,6 +86,11 @@ pub struct Args {
     /// request is reported poisoned and wrong, the others must still be right.
     #[arg(long, value_name = "ID")]
     pub inject_nan: Option<usize>,
+    /// Run decode and verify steps of at most N sequences of one length through one padded
+    /// batch per length (prepare_padded, update_batch), as an engine that replays CUDA graphs
+    /// of a fixed size does; N at most the pool's request and checkpoint slots.
+    #[arg(long, value_name = "N")]
+    pub pad_to: Option<usize>,
     /// Print one JSON object instead of the text summary.
     #[arg(long)]
     pub json: bool,
@@ -106,6 +111,15 @@ fn check_args(args: &Args) -> Result<(), CliError> {
     ] {
         if value == 0 {
             return Err(usage(format!("{name} 0: expected a positive integer")));
+        }
+    }
+    if let Some(n) = args.pad_to {
+        let slots = args.max_running + args.checkpoint_slots;
+        if n == 0 || n > slots {
+            return Err(usage(format!(
+                "--pad-to {n}: expected 1..={slots} (a padded batch's sequences hold distinct \
+                 slots of the pool: --max-running + --checkpoint-slots)"
+            )));
         }
     }
     for (name, value) in [
@@ -207,6 +221,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
             io_dtype,
             opts: layer_options(),
             seed: args.seed,
+            pad_to: args.pad_to,
         },
         workload: workload_spec(&args),
         poison,
@@ -232,6 +247,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         accept_rate: args.accept_rate,
         prefix_share: args.prefix_share,
         seed: args.seed,
+        pad_to: args.pad_to,
         thresholds: [out_thr, state_thr],
         ..Summary::default()
     };

@@ -56,6 +56,11 @@ pub struct EngineConfig {
     pub opts: KdaOptions,
     /// Seed of the accepted counts.
     pub seed: u64,
+    /// Decode and verify steps of at most this many sequences, all of one length, run through
+    /// one padded batch per length ([`Backend::prepare_padded`], updated with the step's
+    /// slots), as an engine that replays CUDA graphs of fixed sizes does: the tensors at the
+    /// padded size, the padding's inputs NaN. `None`: a batch prepared per step.
+    pub pad_to: Option<usize>,
 }
 
 /// Everything the engine observed about one finished request.
@@ -114,6 +119,8 @@ pub struct EngineStats {
     pub violations: usize,
     /// Descriptions of the first violations.
     pub violation_notes: Vec<String>,
+    /// Decode and verify steps run through a padded batch ([`EngineConfig::pad_to`]).
+    pub padded_steps: usize,
 }
 
 struct Running {
@@ -152,6 +159,8 @@ pub struct Engine<'a, B: Backend> {
     finished: Vec<Record>,
     stats: EngineStats,
     step: usize,
+    /// The padded batches of [`EngineConfig::pad_to`], by tokens per sequence.
+    padded: HashMap<usize, B::Batch>,
 }
 
 impl<'a, B: Backend> Engine<'a, B>
@@ -190,6 +199,7 @@ where
             finished: Vec::new(),
             stats: EngineStats::default(),
             step: 0,
+            padded: HashMap::new(),
         })
     }
 
@@ -322,14 +332,34 @@ where
         let be = self.backend;
         let g = self.pool.geometry().clone();
         let t = plan.num_tokens();
-        let batch = be
-            .prepare(plan)
-            .map_err(|e| self.err(format!("{what}: batch"), e.to_string()))?;
+        let n = plan.num_seqs();
+        // the padded batch of this shape (its length per sequence and its size), if it has one
+        let pad = match (self.config.pad_to, op) {
+            (Some(cap), Op::Decode | Op::Verify) if n > 0 && n <= cap => {
+                let len = plan.len_of(0);
+                (0..n).all(|i| plan.len_of(i) == len).then_some((len, cap))
+            }
+            _ => None,
+        };
+        let batch = match pad {
+            Some((len, cap)) => self
+                .padded_batch(len, cap, &plan.slots)
+                .map_err(|e| self.err(format!("{what}: padded batch"), e.to_string()))?,
+            None => be
+                .prepare(plan)
+                .map_err(|e| self.err(format!("{what}: batch"), e.to_string()))?,
+        };
+        // the tensors' tokens and sequences: the padded size's, or the plan's
+        let (tt, nt) = pad.map_or((t, n), |(len, cap)| (len * cap, cap));
         let accepted_buf = match accepted {
-            Some(a) => Some(
-                upload_counts(be, a)
-                    .map_err(|e| self.err(format!("{what}: counts"), e.to_string()))?,
-            ),
+            Some(a) => {
+                let mut counts = a.to_vec();
+                counts.resize(nt, 0);
+                Some(
+                    upload_counts(be, &counts)
+                        .map_err(|e| self.err(format!("{what}: counts"), e.to_string()))?,
+                )
+            }
             None => None,
         };
         let step = self.step;
@@ -340,8 +370,9 @@ where
                 what: format!("{what} of layer {layer}"),
                 msg: e.to_string(),
             };
-            let inputs = DeviceInputs::upload(be, tokens, self.config.io_dtype).map_err(ctx)?;
-            let mut out = DeviceTensor::<B>::poisoned(be, self.config.io_dtype, t * g.hv * g.v)
+            let inputs = DeviceInputs::upload(be, &nan_padded(tokens, tt), self.config.io_dtype)
+                .map_err(ctx)?;
+            let mut out = DeviceTensor::<B>::poisoned(be, self.config.io_dtype, tt * g.hv * g.v)
                 .map_err(ctx)?;
             let params = &self.params[layer];
             let mut view = self.pool.layer_mut(layer).map_err(|e| ctx(e.into()))?;
@@ -366,9 +397,46 @@ where
                 }
             }
             .map_err(ctx)?;
-            outs.push(out.to_f32(be).map_err(ctx)?);
+            let mut o = out.to_f32(be).map_err(ctx)?;
+            // the padding's outputs stay the poison
+            let live = t * g.hv * g.v;
+            if let Some(i) = o[live..].iter().position(|x| !x.is_nan()) {
+                let note = format!(
+                    "step {step}: {what} of layer {layer} wrote output {} of the padding",
+                    live + i
+                );
+                self.violation(note);
+            }
+            o.truncate(live);
+            outs.push(o);
+        }
+        if let Some((len, _)) = pad {
+            self.padded.insert(len, batch);
+            self.stats.padded_steps += 1;
         }
         Ok(outs)
+    }
+
+    /// The padded batch of `cap` sequences of `len` tokens (made on first use, as an engine
+    /// captures a graph once), updated so that `slots` are its live sequences.
+    fn padded_batch(
+        &mut self,
+        len: usize,
+        cap: usize,
+        slots: &[u32],
+    ) -> Result<B::Batch, KernelError> {
+        let be = self.backend;
+        let mut batch = match self.padded.remove(&len) {
+            Some(b) => b,
+            None => {
+                let bounds: Vec<usize> = (0..=cap).map(|i| i * len).collect();
+                let first: Vec<u32> = (0..cap as u32).collect();
+                let plan = plan_of(&bounds, &first)?;
+                be.prepare_padded(plan, self.pool.geometry().total_slots())?
+            }
+        };
+        be.update_batch(&mut batch, slots)?;
+        Ok(batch)
     }
 
     /// Flushes the rings of the running requests at `which` (indices into `running`), with
@@ -741,6 +809,27 @@ fn plan_of(bounds: &[usize], slots: &[u32]) -> kda_kernels::Result<BatchPlan> {
 }
 
 /// Uploads `u32` counts; returns the buffer and the count.
+/// `tokens` followed by NaN inputs up to `len` tokens: the padding of a padded batch, which no
+/// kernel may read.
+fn nan_padded(tokens: &Tokens, len: usize) -> Tokens {
+    let d = tokens.dims;
+    let extra = len - tokens.len;
+    let grow = |x: &[f32], row: usize| {
+        let mut v = x.to_vec();
+        v.resize(x.len() + extra * row, f32::NAN);
+        v
+    };
+    Tokens {
+        dims: d,
+        len,
+        q: grow(&tokens.q, d.h * d.k),
+        k: grow(&tokens.k, d.h * d.k),
+        v: grow(&tokens.v, d.hv * d.v),
+        g: grow(&tokens.g, d.hv * d.k),
+        beta: grow(&tokens.beta, d.hv),
+    }
+}
+
 fn upload_counts<B: Backend>(be: &B, counts: &[u32]) -> Result<(Buf<B>, usize), PoolError> {
     let bytes: Vec<u8> = counts.iter().flat_map(|c| c.to_le_bytes()).collect();
     let mem = be.memory();

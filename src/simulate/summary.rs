@@ -96,6 +96,10 @@ pub struct Summary {
     pub prefix_share: f64,
     /// Seed.
     pub seed: u64,
+    /// Decode and verify steps of at most this many sequences ran through padded batches.
+    pub pad_to: Option<usize>,
+    /// Steps that did.
+    pub padded_steps: usize,
     /// Bytes of the pool (request and checkpoint slots).
     pub pool_bytes: u64,
     /// Requests of the workload.
@@ -153,6 +157,7 @@ pub fn fill(summary: &mut Summary, run: &RunOutcome<'_>) {
     let computed = s.prefill_tokens + s.decode_tokens + s.verify_tokens;
     summary.finished = run.verdicts.len();
     summary.steps = s.steps;
+    summary.padded_steps = s.padded_steps;
     summary.tokens = TokenCounts {
         prefill: s.prefill_tokens,
         restored: s.restored_tokens,
@@ -301,6 +306,12 @@ impl Summary {
             "tokens       {} computed: {} prefill, {} decode, {} verify ({} accepted); {} restored from checkpoints",
             t.computed, t.prefill, t.decode, t.verify, t.accepted, t.restored
         ));
+        if let Some(n) = self.pad_to {
+            line(format!(
+                "padded       {} decode or verify steps through padded batches of {n} sequences",
+                self.padded_steps
+            ));
+        }
         line(format!(
             "throughput   {:.0} tokens/s ({:.3} s)",
             self.tokens_per_second, self.seconds

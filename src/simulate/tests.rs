@@ -41,6 +41,7 @@ fn config(state: Dtype, spec_tokens: usize, ring_len: usize, layout: StateLayout
             io_dtype: io,
             opts: layer_options(),
             seed: 5,
+            pad_to: None,
         },
         workload: WorkloadSpec {
             requests: 12,
@@ -98,6 +99,30 @@ fn every_mode_serves_every_request_right_within_the_slots() {
             assert!(s.tokens.decode > 0 && s.tokens.verify == 0, "{what}");
         }
         assert!(s.max_output_error > 0.0 || state == Dtype::Fp32, "{what}");
+    }
+}
+
+#[test]
+fn padded_batches_serve_every_request_with_the_bits_of_a_batch_per_step() {
+    // An engine replaying graphs of 4 sequences (pool: 3 request and 2 checkpoint slots): the
+    // same workload computes the same values, so the errors against the recomputation are
+    // identical, while the padding (NaN inputs) is never read and its outputs never written.
+    for (state, spec, ring, layout) in [
+        (Dtype::Fp32, 0, 0, StateLayout::KFirst),
+        (Dtype::Fp16, 0, 4, StateLayout::VFirst),
+        (Dtype::Bf16, 2, 6, StateLayout::KFirst),
+    ] {
+        let what = format!("{state} spec {spec} ring {ring} {layout:?}");
+        let plain = simulate(&CpuBackend::new(), &config(state, spec, ring, layout));
+        let mut c = config(state, spec, ring, layout);
+        c.engine.pad_to = Some(4);
+        let padded = simulate(&CpuBackend::new(), &c);
+        assert!(plain.ok && padded.ok, "{what}: {:?}", padded.failure());
+        assert_eq!((plain.padded_steps, padded.violations), (0, 0), "{what}");
+        assert!(padded.padded_steps > 0, "{what}: no step was padded");
+        assert_eq!(plain.max_output_error, padded.max_output_error, "{what}");
+        assert_eq!(plain.max_state_error, padded.max_state_error, "{what}");
+        assert_eq!(plain.tokens.computed, padded.tokens.computed, "{what}");
     }
 }
 

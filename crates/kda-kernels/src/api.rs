@@ -274,10 +274,10 @@ pub trait Backend: Send + Sync {
     fn prepare(&self, plan: BatchPlan) -> Result<Self::Batch>;
 
     /// Prepares a batch padded to `plan`'s sequences, all live at first. A call with it
-    /// computes only its live sequences (the first ones), reading and writing nothing of the
-    /// others (their slots, states, rings, inputs and outputs), while its tensors keep the
-    /// padded shape (`plan`'s tokens); [`Backend::update_batch`] changes the live sequences
-    /// and their slots in place. For CUDA graphs, whose launches and buffers are fixed: an
+    /// computes only its live sequences (the first ones), reading and writing none of the
+    /// others' slots, states, rings and outputs and using none of their inputs, while its
+    /// tensors keep the padded shape (`plan`'s tokens); [`Backend::update_batch`] changes the
+    /// live sequences and their slots in place. For CUDA graphs, whose launches and buffers are fixed: an
     /// engine pads each step to a graph's size, its requests first. Every slot, now and in
     /// updates, must lie below `slot_bound` (the pool's `total_slots()`; a call on a pool with
     /// fewer slots is refused). An empty plan or a slot out of range is an argument error.
