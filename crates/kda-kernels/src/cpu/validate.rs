@@ -117,7 +117,7 @@ pub struct CallArgs<'a, B> {
     /// The ring bookkeeping of each sequence's slot, in batch order (default without a ring).
     pub metas: &'a [RingMeta],
     /// The tokens the per-token tensors (inputs and output) hold where that is more than
-    /// the plan's: a batch padded to a fixed size (the CUDA backend's `prepare_padded`)
+    /// the plan's: a batch padded to a fixed size ([`crate::Backend::prepare_padded`])
     /// whose plan is its live prefix; `None`: the plan's tokens.
     pub tensor_tokens: Option<usize>,
 }
