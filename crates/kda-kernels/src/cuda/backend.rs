@@ -270,7 +270,7 @@ impl CudaBackend {
     }
 
     /// The device's architecture, the one its kernel modules compile for (and
-    /// [`crate::precompile`] may compile them for ahead of time).
+    /// [`crate::precompile()`] may compile them for ahead of time).
     pub fn arch(&self) -> GpuArch {
         self.arch
     }

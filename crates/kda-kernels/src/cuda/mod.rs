@@ -2,7 +2,7 @@
 //! top-level `kernels/` directory. Layers:
 //! - [`memory`]: [`CudaMemory`], the pool's device memory ([`state_pool::DeviceMemory`]);
 //! - `registry`: the lazy NVRTC kernel registry (compiled once per process and device, or
-//!   ahead of time into the module cache: [`crate::precompile`]);
+//!   ahead of time into the module cache: [`crate::precompile()`]);
 //! - `kernel`: a loaded kernel with the driver's launch answers about it, asked once;
 //! - `params`: the kernel parameter block;
 //! - `lanes`, `eager_plan`, `ring_plan`: the kernels' lane geometry and the launch plans (pure
