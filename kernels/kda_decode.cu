@@ -58,7 +58,7 @@ struct KdaParams {
     kda_u64 delta;                   // f32 [slot][ring_len][HV][V]: the ring entries' delta vectors
     kda_u64 bounds, slots, accepted; // u32 [N+1], u32 [N], u32 [N] (0: none)
     kda_u64 err;                     // u32 [4]: flags, first bad slot, any store, spare
-    kda_u64 live;                    // u32 [2]: sequences computed (the first ones), updates (0: all n_seqs)
+    kda_u64 live;                    // u32 [2]: sequences computed (the first ones), epoch offset (0: all)
     kda_u32 n_seqs, h, hv, ring_len;
     kda_u32 op;                      // KDA_OP_*
     kda_u32 gate_mode;               // 0 activated, 1 softplus, 2 lower bound
@@ -729,10 +729,11 @@ __device__ __forceinline__ kda_u32 live_seqs(const KdaParams& p) {
     return p.live != 0u ? min(early_u32(p.live, 0), p.n_seqs) : p.n_seqs;
 }
 // The store epoch the stochastic rounding of this call draws from: the layer's, plus for a
-// padded batch its updates so far times an odd constant (the word after the live count), so
-// the replays of one captured graph, one per update, round with fresh bits.
+// padded batch the offset the host wrote after the live count (its updates times an odd
+// constant: PaddedShape::epoch_offset), so the replays of one captured graph, one per update,
+// round with fresh bits.
 __device__ __forceinline__ kda_u32 call_epoch(const KdaParams& p) {
-    return p.live != 0u ? p.epoch + early_u32(p.live, 1) * 0x9e3779b9u : p.epoch;
+    return p.live != 0u ? p.epoch + early_u32(p.live, 1) : p.epoch;
 }
 // Whether this CTA of a kernel with one CTA per item (blockIdx.x, p.div_seq items per
 // sequence) belongs to a sequence the call does not compute (live_seqs).

@@ -286,8 +286,11 @@ pub trait Backend: Send + Sync {
     /// Makes the first `slots.len()` sequences of a batch of [`Backend::prepare_padded`] its
     /// live ones, with these slots (distinct, below its slot bound; may be empty, and a call
     /// then computes nothing). On a GPU the update is ordered with the calls before and after
-    /// it, without waiting for them. A batch of [`Backend::prepare`], too many slots, a slot
-    /// out of range or twice is an argument error and changes nothing.
+    /// it, without waiting for them. With stochastic rounding the batch's calls round at the
+    /// layer's epoch plus its updates so far times
+    /// [`crate::cpu::validate::PADDED_EPOCH_STEP`] (mod 2^32), on every backend, so the
+    /// replays of one captured graph draw fresh bits. A batch of [`Backend::prepare`], too many
+    /// slots, a slot out of range or twice is an argument error and changes nothing.
     fn update_batch(&self, batch: &mut Self::Batch, slots: &[u32]) -> Result<()>;
 
     /// Varlen chunked prefill: each sequence starts from its slot's true state (pending ring

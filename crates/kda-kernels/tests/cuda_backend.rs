@@ -13,6 +13,7 @@
 //! it the stub backend is uninhabited and there is nothing to run.
 #![cfg(feature = "cuda")]
 
+use kda_kernels::cpu::validate::PADDED_EPOCH_STEP;
 use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
     assert_bits_eq, assert_layers_agree, assert_refused, bad_input_case, batch_plan,
@@ -1633,7 +1634,8 @@ fn cuda_a_graph_of_a_padded_batch_decodes_each_steps_live_sequences_as_plain_cal
                     // the epoch the replay rounded with (the captured one plus the updates so
                     // far times the odd constant): the plain call's after its bump (eager
                     // decode stores every call)
-                    let epoch = captured.wrapping_add((step as u32 + 1).wrapping_mul(0x9e37_79b9));
+                    let offset = (step as u32 + 1).wrapping_mul(PADDED_EPOCH_STEP);
+                    let epoch = captured.wrapping_add(offset);
                     *plain.view().epoch = (1u64 << 32) + u64::from(epoch) - 1;
                 }
                 let live_bounds: Vec<usize> = (0..=live).collect();

@@ -35,6 +35,9 @@ pub(crate) struct Exec<'a> {
     pub layer: LayerMut<'a, HostBuffer>,
     /// The output buffer and its element count.
     pub out: Option<(&'a mut HostBuffer, usize)>,
+    /// Added to the layer's epoch (as `u32`) for stochastic rounding: a padded batch's
+    /// ([`super::validate::PaddedShape::epoch_offset`]), else 0.
+    pub epoch_offset: u32,
 }
 
 /// A shorter-lived view of the same layer.
@@ -99,7 +102,7 @@ pub(crate) fn run<I: Bulk, S: Bulk>(ex: Exec<'_>) -> Result<()> {
         a_log,
         dt_bias,
         layer: ex.layer.layer,
-        epoch: *ex.layer.epoch,
+        epoch: u64::from((*ex.layer.epoch as u32).wrapping_add(ex.epoch_offset)),
     };
 
     let total = g.total_slots();

@@ -55,6 +55,11 @@ impl CpuBatch {
         self.padded.as_ref().map(|p| p.full.num_tokens())
     }
 
+    /// What the calls add to the layer's epoch (a padded batch's updates; 0 unpadded).
+    fn epoch_offset(&self) -> u32 {
+        self.padded.as_ref().map_or(0, PaddedShape::epoch_offset)
+    }
+
     /// The padded-shape checks of a call of `op` on a layer of `geometry` (none unpadded).
     fn check_padded(&self, op: Op, geometry: &state_pool::PoolGeometry) -> Result<()> {
         self.padded
@@ -179,6 +184,7 @@ impl CpuBackend {
                 dt_bias: None,
                 layer: exec::reborrow(layer),
                 out: Some((&mut *out.buf, out.len)),
+                epoch_offset: batch.epoch_offset(),
             },
         )
     }
@@ -210,8 +216,8 @@ impl Backend for CpuBackend {
     }
 
     fn update_batch(&self, batch: &mut CpuBatch, slots: &[u32]) -> Result<()> {
-        let shape = batch.padded.as_ref().ok_or_else(validate::not_padded)?;
-        batch.plan = shape.live(slots)?;
+        let shape = batch.padded.as_mut().ok_or_else(validate::not_padded)?;
+        batch.plan = shape.update(slots)?;
         Ok(())
     }
 
@@ -304,6 +310,7 @@ impl Backend for CpuBackend {
                 dt_bias,
                 layer: exec::reborrow(layer),
                 out: None,
+                epoch_offset: batch.epoch_offset(),
             },
         )
     }

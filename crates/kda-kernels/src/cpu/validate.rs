@@ -286,7 +286,13 @@ pub struct PaddedShape {
     pub full: BatchPlan,
     /// Every slot an update gives lies below this; a call's pool must have at least as many.
     pub slot_bound: usize,
+    /// The updates so far.
+    pub updates: u32,
 }
+
+/// What each update of a padded batch adds to the epoch its calls round with (stochastic
+/// rounding), mod 2^32: odd, so distinct update counts (mod 2^32) give distinct offsets.
+pub const PADDED_EPOCH_STEP: u32 = 0x9e37_79b9;
 
 impl PaddedShape {
     /// Checks a plan to pad: at least one sequence, every slot below `slot_bound`.
@@ -302,12 +308,23 @@ impl PaddedShape {
         Ok(Self {
             full: plan,
             slot_bound,
+            updates: 0,
         })
     }
 
-    /// The live plan of an update ([`BatchPlan::with_live_slots`]).
-    pub fn live(&self, slots: &[u32]) -> Result<BatchPlan> {
-        self.full.with_live_slots(slots, self.slot_bound)
+    /// An update: the live plan of `slots` ([`BatchPlan::with_live_slots`]), counted once it
+    /// is valid (an invalid one changes nothing).
+    pub fn update(&mut self, slots: &[u32]) -> Result<BatchPlan> {
+        let live = self.full.with_live_slots(slots, self.slot_bound)?;
+        self.updates = self.updates.wrapping_add(1);
+        Ok(live)
+    }
+
+    /// What the batch's calls add to the layer's epoch for stochastic rounding: the updates so
+    /// far times [`PADDED_EPOCH_STEP`] (mod 2^32), so the replays of one captured graph, one
+    /// per update, round with fresh bits though the graph keeps the epoch it was captured with.
+    pub fn epoch_offset(&self) -> u32 {
+        self.updates.wrapping_mul(PADDED_EPOCH_STEP)
     }
 
     /// Checks a call of `op` with the batch on a layer of `geometry`: the pool has the

@@ -65,11 +65,9 @@ pub struct CudaBatch {
 struct Padded {
     /// The padded shape: the kernels launch for its sequences, the tensors hold its tokens.
     shape: PaddedShape,
-    /// `u32 [2]` on the device: the live sequences (the kernels' `live_seqs`) and the updates
-    /// so far (`call_epoch`: stochastic rounding draws fresh bits after each update).
+    /// `u32 [2]` on the device: the live sequences (the kernels' `live_seqs`) and the shape's
+    /// epoch offset (`call_epoch`: stochastic rounding draws fresh bits after each update).
     live: CudaBuffer,
-    /// The updates so far, as on the device.
-    updates: u32,
 }
 
 impl CudaBatch {
@@ -1005,29 +1003,24 @@ impl Backend for CudaBackend {
             plan: shape.full.clone(),
             bounds,
             slots,
-            padded: Some(Padded {
-                shape,
-                live,
-                updates: 0,
-            }),
+            padded: Some(Padded { shape, live }),
         })
     }
 
     /// Two copies on the stream, without a wait: the slots, then the live count and the
-    /// updates so far. With stochastic rounding a padded call draws from the layer's epoch
-    /// plus the batch's updates times 0x9e3779b9 (mod 2^32), so each step of a replayed graph
-    /// rounds with fresh bits.
+    /// epoch offset ([`PaddedShape::epoch_offset`]), which the kernels add to the epoch a
+    /// graph captured, so each step of a replayed graph rounds with fresh bits.
     fn update_batch(&self, batch: &mut CudaBatch, slots: &[u32]) -> Result<()> {
         let padded = batch.padded.as_mut().ok_or_else(not_padded)?;
-        let live = padded.shape.live(slots)?;
+        let mut shape = padded.shape.clone();
+        let live = shape.update(slots)?;
         // from the plan's own copy: the caller's slice may be pinned memory
         self.mem
             .write_staged(&mut batch.slots, 0, bytemuck::cast_slice(&live.slots))?;
-        let updates = padded.updates.wrapping_add(1);
-        let words = [live.num_seqs() as u32, updates];
+        let words = [live.num_seqs() as u32, shape.epoch_offset()];
         self.mem
             .write_staged(&mut padded.live, 0, bytemuck::cast_slice(&words))?;
-        padded.updates = updates;
+        padded.shape = shape;
         batch.plan = live;
         Ok(())
     }

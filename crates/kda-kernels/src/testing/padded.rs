@@ -9,6 +9,7 @@ use super::checks::{assert_bits_eq, twin_layers};
 use super::data::{batch_plan, Case, HostInputs};
 use super::layer::{run_tokens, upload_bytes, DeviceInputs, TestLayer, TokenOp};
 use crate::api::{Backend, Buf, IndexView, TensorViewMut};
+use crate::cpu::validate::PADDED_EPOCH_STEP;
 
 /// Random distinct slots of `0..pool`, `n` of them.
 pub fn random_slots(rng: &mut StdRng, pool: usize, n: usize) -> Vec<u32> {
@@ -55,7 +56,9 @@ pub fn assert_layers_agree<B: Backend>(
 /// and `spec` false) or spec_verify (`t` tokens, accepted drafts drawn per slot) through it on
 /// one twin and through a plain batch of the live sequences and their tokens on the other.
 /// Asserts the live outputs equal bit for bit, the padding's outputs untouched (still the
-/// poison), and every slot's state, ring record and ring entries equal. Also asserts the
+/// poison), and every slot's state, ring record and ring entries equal. With stochastic
+/// rounding the plain call rounds at the epoch the padded one drew from (its layer's plus the
+/// batch's offset, [`crate::cpu::validate::PaddedShape::epoch_offset`]). Also asserts the
 /// refusals: an update of too many, out-of-range or repeated slots changes nothing; a batch
 /// of `prepare` takes no update; a pool of fewer slots than the bound is refused.
 pub fn check_padded_batch_matches_plain_batches<B: Backend>(
@@ -109,6 +112,7 @@ pub fn check_padded_batch_matches_plain_batches<B: Backend>(
             buf: &acc_buf,
             len: cap,
         };
+        let epoch_before = padded.epoch();
         let r = if spec {
             be.spec_verify(
                 &batch,
@@ -136,6 +140,10 @@ pub fn check_padded_batch_matches_plain_batches<B: Backend>(
             &what,
         );
         if live > 0 {
+            // stochastic rounding: the padded call drew from its layer's epoch plus the batch's
+            // offset after `step + 1` updates; the plain call draws from the same
+            let offset = (step as u32 + 1).wrapping_mul(PADDED_EPOCH_STEP);
+            *plain.view().epoch = u64::from((epoch_before as u32).wrapping_add(offset));
             let tokens: Vec<usize> = (0..live * t).collect();
             let op = if spec {
                 TokenOp::SpecVerify(&acc[..live])
