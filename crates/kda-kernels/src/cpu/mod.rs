@@ -27,52 +27,14 @@ use crate::api::{
 };
 use crate::error::{KernelError, Result};
 use exec::Exec;
-use validate::{check_layer, validate_call, CallArgs, Op, PaddedShape};
+use validate::{check_layer, validate_call, CallArgs, Op};
 
 /// The CPU backend: the oracle of every GPU backend.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
 
-/// A batch prepared for the CPU backend: the plan a call computes (a padded batch's live
-/// sequences) and a padded batch's shape ([`Backend::prepare_padded`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CpuBatch {
-    plan: BatchPlan,
-    padded: Option<PaddedShape>,
-}
-
-impl CpuBatch {
-    /// The sequences the batch's tensors hold: every one of the plan, or a padded batch's
-    /// padded size.
-    pub fn capacity(&self) -> usize {
-        self.padded
-            .as_ref()
-            .map_or(self.plan.num_seqs(), |p| p.full.num_seqs())
-    }
-
-    /// The tokens the tensors hold where they are more than the plan's (a padded batch).
-    fn tensor_tokens(&self) -> Option<usize> {
-        self.padded.as_ref().map(|p| p.full.num_tokens())
-    }
-
-    /// What the calls add to the layer's epoch (a padded batch's updates; 0 unpadded).
-    fn epoch_offset(&self) -> u32 {
-        self.padded.as_ref().map_or(0, PaddedShape::epoch_offset)
-    }
-
-    /// The padded-shape checks of a call of `op` on a layer of `geometry` (none unpadded).
-    fn check_padded(&self, op: Op, geometry: &state_pool::PoolGeometry) -> Result<()> {
-        self.padded
-            .as_ref()
-            .map_or(Ok(()), |p| p.check_call(op, geometry))
-    }
-}
-
-impl AsRef<BatchPlan> for CpuBatch {
-    fn as_ref(&self) -> &BatchPlan {
-        &self.plan
-    }
-}
+/// A batch prepared for the CPU backend: its plans ([`validate::PreparedPlan`]).
+pub type CpuBatch = validate::PreparedPlan;
 
 /// The host memory every CPU pool and tensor lives in.
 static HOST: HostMemory = HostMemory;
@@ -137,9 +99,9 @@ impl CpuBackend {
         out: &mut TensorViewMut<'_, HostBuffer>,
     ) -> Result<()> {
         let g = layer.geometry;
-        let plan = &batch.plan;
+        let plan = batch.as_ref();
         check_layer(&HOST, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
-        batch.check_padded(op, g)?;
+        batch.check_call(op, g)?;
         let metas = batch_metas(layer, plan)?;
         let accepted = accepted
             .map(|a| accepted_counts(a, batch.capacity(), plan.num_seqs()))
@@ -203,22 +165,15 @@ impl Backend for CpuBackend {
     }
 
     fn prepare(&self, plan: BatchPlan) -> Result<CpuBatch> {
-        validate::check_plan(&plan)?;
-        Ok(CpuBatch { plan, padded: None })
+        CpuBatch::plain(plan)
     }
 
     fn prepare_padded(&self, plan: BatchPlan, slot_bound: usize) -> Result<CpuBatch> {
-        let shape = PaddedShape::new(plan, slot_bound)?;
-        Ok(CpuBatch {
-            plan: shape.full.clone(),
-            padded: Some(shape),
-        })
+        CpuBatch::padded(plan, slot_bound)
     }
 
     fn update_batch(&self, batch: &mut CpuBatch, slots: &[u32]) -> Result<()> {
-        let shape = batch.padded.as_mut().ok_or_else(validate::not_padded)?;
-        batch.plan = shape.update(slots)?;
-        Ok(())
+        batch.update(slots)
     }
 
     fn prefill(
@@ -273,9 +228,9 @@ impl Backend for CpuBackend {
         layer: &mut LayerMut<'_, HostBuffer>,
     ) -> Result<()> {
         let g = layer.geometry;
-        let plan = &batch.plan;
+        let plan = batch.as_ref();
         check_layer(&HOST, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
-        batch.check_padded(Op::Replay, g)?;
+        batch.check_call(Op::Replay, g)?;
         let metas = batch_metas(layer, plan)?;
         let accepted = accepted
             .map(|a| accepted_counts(a, batch.capacity(), plan.num_seqs()))

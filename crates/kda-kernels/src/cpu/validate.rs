@@ -345,12 +345,84 @@ impl PaddedShape {
     }
 }
 
-/// The error of [`crate::Backend::update_batch`] on a batch of [`crate::Backend::prepare`].
-pub fn not_padded() -> KernelError {
-    KernelError::arg(
-        "batch",
-        "was made by prepare; only a batch of prepare_padded takes new slots",
-    )
+/// A prepared batch's plans, as every backend keeps them (the CPU backend's batch itself, part
+/// of the CUDA backend's): the plan a call computes, which for a batch of
+/// [`crate::Backend::prepare_padded`] is its live sequences, and a padded batch's shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreparedPlan {
+    plan: BatchPlan,
+    padded: Option<PaddedShape>,
+}
+
+impl PreparedPlan {
+    /// A plain batch of a checked `plan` ([`crate::Backend::prepare`]).
+    pub fn plain(plan: BatchPlan) -> Result<Self> {
+        check_plan(&plan)?;
+        Ok(Self { plan, padded: None })
+    }
+
+    /// A padded batch of `plan`, every sequence live ([`crate::Backend::prepare_padded`]).
+    pub fn padded(plan: BatchPlan, slot_bound: usize) -> Result<Self> {
+        let shape = PaddedShape::new(plan, slot_bound)?;
+        Ok(Self {
+            plan: shape.full.clone(),
+            padded: Some(shape),
+        })
+    }
+
+    /// The padded shape, if the batch is padded.
+    pub fn padded_shape(&self) -> Option<&PaddedShape> {
+        self.padded.as_ref()
+    }
+
+    /// The plan the kernels launch for and the tensors are shaped by: the plan, or a padded
+    /// batch's whole size.
+    pub fn launch_plan(&self) -> &BatchPlan {
+        self.padded.as_ref().map_or(&self.plan, |p| &p.full)
+    }
+
+    /// The sequences the tensors hold (one accepted count each): [`Self::launch_plan`]'s.
+    pub fn capacity(&self) -> usize {
+        self.launch_plan().num_seqs()
+    }
+
+    /// The tokens the tensors hold where they are more than the plan's (a padded batch):
+    /// [`CallArgs::tensor_tokens`].
+    pub fn tensor_tokens(&self) -> Option<usize> {
+        self.padded.as_ref().map(|p| p.full.num_tokens())
+    }
+
+    /// What a call adds to the layer's epoch: a padded batch's
+    /// [`PaddedShape::epoch_offset`], else 0.
+    pub fn epoch_offset(&self) -> u32 {
+        self.padded.as_ref().map_or(0, PaddedShape::epoch_offset)
+    }
+
+    /// The padded shape's checks of a call of `op` on a layer of `geometry` (none unpadded).
+    pub fn check_call(&self, op: Op, geometry: &PoolGeometry) -> Result<()> {
+        self.padded
+            .as_ref()
+            .map_or(Ok(()), |p| p.check_call(op, geometry))
+    }
+
+    /// [`crate::Backend::update_batch`]: makes `slots` the live sequences of a padded batch;
+    /// an argument error (a plain batch, bad slots) changes nothing.
+    pub fn update(&mut self, slots: &[u32]) -> Result<()> {
+        let shape = self.padded.as_mut().ok_or_else(|| {
+            KernelError::arg(
+                "batch",
+                "was made by prepare; only a batch of prepare_padded takes new slots",
+            )
+        })?;
+        self.plan = shape.update(slots)?;
+        Ok(())
+    }
+}
+
+impl AsRef<BatchPlan> for PreparedPlan {
+    fn as_ref(&self) -> &BatchPlan {
+        &self.plan
+    }
 }
 
 /// Checks each sequence's token count against the operation: decode 1, spec_verify at most

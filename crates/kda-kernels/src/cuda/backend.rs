@@ -41,7 +41,7 @@ use crate::api::{
 };
 use crate::choice::{EagerKernel, RingKernel};
 use crate::cpu::validate::{
-    check_accepted, check_layer, not_padded, validate_call, CallArgs, Op, PaddedShape,
+    check_accepted, check_layer, validate_call, CallArgs, Op, PreparedPlan,
 };
 use crate::error::{KernelError, Result};
 use crate::precompile::GpuArch;
@@ -53,53 +53,39 @@ type Buf = CudaBuffer;
 /// [`Backend::prepare_padded`] one padded to a fixed number of sequences, whose live sequences
 /// and their slots [`Backend::update_batch`] changes in place (for CUDA graphs).
 pub struct CudaBatch {
-    /// What a call computes: every sequence, or a padded batch's live ones.
-    plan: BatchPlan,
+    /// The plans: what a call computes (a padded batch's live sequences), the padded shape.
+    plans: PreparedPlan,
     bounds: CudaBuffer,
     slots: CudaBuffer,
-    /// A padded batch's shape and live count; `None` for [`Backend::prepare`]'s.
-    padded: Option<Padded>,
-}
-
-/// What a padded batch keeps besides its live plan.
-struct Padded {
-    /// The padded shape: the kernels launch for its sequences, the tensors hold its tokens.
-    shape: PaddedShape,
-    /// `u32 [2]` on the device: the live sequences (the kernels' `live_seqs`) and the shape's
-    /// epoch offset (`call_epoch`: stochastic rounding draws fresh bits after each update).
-    live: CudaBuffer,
+    /// A padded batch's `u32 [2]` on the device: the live sequences (the kernels'
+    /// `live_seqs`) and the epoch offset (`call_epoch`); `None` for [`Backend::prepare`]'s.
+    live: Option<CudaBuffer>,
 }
 
 impl CudaBatch {
     /// The sequences the kernels are launched for: every one of the plan, or a padded batch's
     /// padded size (its tail is not computed).
     pub fn capacity(&self) -> usize {
-        self.launch_plan().num_seqs()
+        self.plans.capacity()
     }
 
     /// Whether the batch was prepared by [`Backend::prepare_padded`].
     pub fn is_padded(&self) -> bool {
-        self.padded.is_some()
-    }
-
-    /// The plan the kernels are launched for (a padded batch's whole size).
-    fn launch_plan(&self) -> &BatchPlan {
-        self.padded.as_ref().map_or(&self.plan, |p| &p.shape.full)
+        self.plans.padded_shape().is_some()
     }
 }
 
 impl std::fmt::Debug for CudaBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBatch")
-            .field("plan", &self.plan)
-            .field("capacity", &self.capacity())
+            .field("plans", &self.plans)
             .finish()
     }
 }
 
 impl AsRef<BatchPlan> for CudaBatch {
     fn as_ref(&self) -> &BatchPlan {
-        &self.plan
+        self.plans.as_ref()
     }
 }
 
@@ -509,12 +495,10 @@ impl CudaBackend {
         exact: bool,
     ) -> Result<crate::cpu::validate::CallPlan> {
         let g = layer.geometry;
-        let plan = &call.batch.plan;
+        let plan = call.batch.plans.as_ref();
         let n = plan.num_seqs();
         check_layer(&self.mem, g, layer.ssm, layer.ring, layer.meta, layer.delta)?;
-        if let Some(padded) = &call.batch.padded {
-            padded.shape.check_call(call.op, g)?;
-        }
+        call.batch.plans.check_call(call.op, g)?;
         if let Some((dtype, len, buf)) = call.out_shape {
             if buf < len * dtype.size() {
                 return Err(KernelError::arg(
@@ -558,11 +542,7 @@ impl CudaBackend {
                 out: call.out_shape.map(|(d, l, _)| (d, l)),
                 accepted: accepted_host.as_deref(),
                 metas: &metas,
-                tensor_tokens: call
-                    .batch
-                    .padded
-                    .as_ref()
-                    .map(|p| p.shape.full.num_tokens()),
+                tensor_tokens: call.batch.plans.tensor_tokens(),
             },
         )
     }
@@ -636,7 +616,7 @@ impl CudaBackend {
             None
         };
         let ring_pipe = if ring {
-            let plan = call.batch.launch_plan();
+            let plan = call.batch.plans.launch_plan();
             let shape = RingShape {
                 k: g.k,
                 v: g.v,
@@ -775,7 +755,7 @@ impl CudaBackend {
             slots: ptr(&call.batch.slots),
             accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
             err: ptr(&err),
-            live: call.batch.padded.as_ref().map_or(0, |p| ptr(&p.live)),
+            live: call.batch.live.as_ref().map_or(0, ptr),
             n_seqs: n as u32,
             h: g.h as u32,
             hv: g.hv as u32,
@@ -984,44 +964,47 @@ impl Backend for CudaBackend {
     /// Uploads the bounds and slots without waiting for the stream (the copies are ordered
     /// before every later call on it).
     fn prepare(&self, plan: BatchPlan) -> Result<CudaBatch> {
-        let (bounds, slots) = self.upload_batch(&plan)?;
+        let plans = PreparedPlan::plain(plan)?;
+        let (bounds, slots) = self.upload_batch(plans.as_ref())?;
         Ok(CudaBatch {
-            plan,
+            plans,
             bounds,
             slots,
-            padded: None,
+            live: None,
         })
     }
 
     /// The kernels launch for the padded size and read a live count the update writes next to
     /// the slots (docs/architecture.md, "Padded batches").
     fn prepare_padded(&self, plan: BatchPlan, slot_bound: usize) -> Result<CudaBatch> {
-        let shape = PaddedShape::new(plan, slot_bound)?;
-        let (bounds, slots) = self.upload_batch(&shape.full)?;
-        let live = self.mem.upload_staged(&[shape.full.num_seqs() as u32, 0])?;
+        let plans = PreparedPlan::padded(plan, slot_bound)?;
+        let (bounds, slots) = self.upload_batch(plans.as_ref())?;
+        let live = self.mem.upload_staged(&[plans.capacity() as u32, 0])?;
         Ok(CudaBatch {
-            plan: shape.full.clone(),
+            plans,
             bounds,
             slots,
-            padded: Some(Padded { shape, live }),
+            live: Some(live),
         })
     }
 
     /// Two copies on the stream, without a wait: the slots, then the live count and the
-    /// epoch offset ([`PaddedShape::epoch_offset`]), which the kernels add to the epoch a
-    /// graph captured, so each step of a replayed graph rounds with fresh bits.
+    /// epoch offset ([`crate::cpu::validate::PaddedShape::epoch_offset`]), which the kernels add to the epoch a
+    /// graph captured, so each step of a replayed graph rounds with fresh bits. (A failed
+    /// copy, a device error, may leave the device's words behind the host's plan.)
     fn update_batch(&self, batch: &mut CudaBatch, slots: &[u32]) -> Result<()> {
-        let padded = batch.padded.as_mut().ok_or_else(not_padded)?;
-        let mut shape = padded.shape.clone();
-        let live = shape.update(slots)?;
+        let Some(live) = batch.live.as_mut() else {
+            // a plain batch: the plans' argument error
+            return batch.plans.update(slots);
+        };
+        batch.plans.update(slots)?;
+        let plan = batch.plans.as_ref();
         // from the plan's own copy: the caller's slice may be pinned memory
         self.mem
-            .write_staged(&mut batch.slots, 0, bytemuck::cast_slice(&live.slots))?;
-        let words = [live.num_seqs() as u32, shape.epoch_offset()];
+            .write_staged(&mut batch.slots, 0, bytemuck::cast_slice(&plan.slots))?;
+        let words = [plan.num_seqs() as u32, batch.plans.epoch_offset()];
         self.mem
-            .write_staged(&mut padded.live, 0, bytemuck::cast_slice(&words))?;
-        padded.shape = shape;
-        batch.plan = live;
+            .write_staged(live, 0, bytemuck::cast_slice(&words))?;
         Ok(())
     }
 
