@@ -808,7 +808,6 @@ fn plan_of(bounds: &[usize], slots: &[u32]) -> kda_kernels::Result<BatchPlan> {
     )
 }
 
-/// Uploads `u32` counts; returns the buffer and the count.
 /// `tokens` followed by NaN inputs up to `len` tokens: the padding of a padded batch, which no
 /// kernel may read.
 fn nan_padded(tokens: &Tokens, len: usize) -> Tokens {
@@ -830,6 +829,7 @@ fn nan_padded(tokens: &Tokens, len: usize) -> Tokens {
     }
 }
 
+/// Uploads `u32` counts; returns the buffer and the count.
 fn upload_counts<B: Backend>(be: &B, counts: &[u32]) -> Result<(Buf<B>, usize), PoolError> {
     let bytes: Vec<u8> = counts.iter().flat_map(|c| c.to_le_bytes()).collect();
     let mem = be.memory();
