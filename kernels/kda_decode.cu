@@ -43,6 +43,11 @@
 #ifndef KDA_VFIRST
 #define KDA_VFIRST 0
 #endif
+// 1: the module of padded batches (Backend::prepare_padded), whose kernels read p.live; 0: of
+// plain batches, which then pay nothing for it (live_seqs, call_epoch, padding_cta below).
+#ifndef KDA_PADDED
+#define KDA_PADDED 0
+#endif
 
 // A divisor's constants for kda_div.
 struct KdaDiv {
@@ -58,7 +63,6 @@ struct KdaParams {
     kda_u64 delta;                   // f32 [slot][ring_len][HV][V]: the ring entries' delta vectors
     kda_u64 bounds, slots, accepted; // u32 [N+1], u32 [N], u32 [N] (0: none)
     kda_u64 err;                     // u32 [4]: flags, first bad slot, any store, spare
-    kda_u64 live;                    // u32 [2]: sequences computed (the first ones), epoch offset (0: all)
     kda_u32 n_seqs, h, hv, ring_len;
     kda_u32 op;                      // KDA_OP_*
     kda_u32 gate_mode;               // 0 activated, 1 softplus, 2 lower bound
@@ -77,6 +81,8 @@ struct KdaParams {
     KdaDiv div_seq;                  // by units * vblocks (CTA units or items per sequence)
     KdaDiv div_vb;                   // by vblocks
     KdaDiv div_grp;                  // by the GVA group hv / h
+    // Last, so that the other fields keep their offsets (and a plain module its SASS).
+    kda_u64 live;                    // u32 [2]: sequences computed (the first ones), epoch offset (KDA_PADDED)
 };
 
 // n / d for a divisor d fixed per launch: m, s from the host (`FastDiv` in params.rs), so an
@@ -721,24 +727,28 @@ __device__ __forceinline__ kda_u32 early_u32(kda_u64 buf, kda_u32 i) {
 // A slot index read before griddepcontrol.wait (early_u32).
 __device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) { return early_u32(p.slots, seq); }
 
+// Whether this module reads a padded batch's live count (KDA_PADDED) and this call has one.
+// A test of a kernel parameter alone cost plain batches 0.4-1.3% on the 2-byte eager kernels
+// (docs/performance.md, fifty-third session): plain modules compile it away.
+__device__ __forceinline__ bool padded_call(const KdaParams& p) { return KDA_PADDED != 0 && p.live != 0u; }
 // The sequences the call computes: all n_seqs, or with p.live (a batch padded to a fixed size,
 // as a CUDA graph replays it) the first ones, as many as the host wrote there before the call
 // (early_u32: safe before the wait). The kernels neither read nor write the others' slots,
 // states, rings and outputs, nor use their inputs.
 __device__ __forceinline__ kda_u32 live_seqs(const KdaParams& p) {
-    return p.live != 0u ? min(early_u32(p.live, 0), p.n_seqs) : p.n_seqs;
+    return padded_call(p) ? min(early_u32(p.live, 0), p.n_seqs) : p.n_seqs;
 }
 // The store epoch the stochastic rounding of this call draws from: the layer's, plus for a
 // padded batch the offset the host wrote after the live count (its updates times an odd
 // constant: PaddedShape::epoch_offset), so the replays of one captured graph, one per update,
 // round with fresh bits.
 __device__ __forceinline__ kda_u32 call_epoch(const KdaParams& p) {
-    return p.live != 0u ? p.epoch + early_u32(p.live, 1) : p.epoch;
+    return padded_call(p) ? p.epoch + early_u32(p.live, 1) : p.epoch;
 }
 // Whether this CTA of a kernel with one CTA per item (blockIdx.x, p.div_seq items per
 // sequence) belongs to a sequence the call does not compute (live_seqs).
 __device__ __forceinline__ bool padding_cta(const KdaParams& p) {
-    return p.live != 0u && kda_div(blockIdx.x, p.div_seq) >= live_seqs(p);
+    return padded_call(p) && kda_div(blockIdx.x, p.div_seq) >= live_seqs(p);
 }
 
 // A hint to L2 for what the first prepass of a CTA reads: the unit's rows (key of its q/k head,

@@ -63,6 +63,10 @@ fn bad_arguments_are_one_line_usage_errors_and_write_nothing() {
             "--layouts: 'rows'",
         ),
         (
+            vec!["--arch", "sm_90", "--cache", d, "--batches", "plain,graph"],
+            "--batches: 'graph'",
+        ),
+        (
             vec!["--arch", "sm_90", "--cache", d, "--model", &missing],
             "no-such-model.json",
         ),
@@ -107,10 +111,14 @@ fn modules_compile_once_into_the_cache_and_a_second_run_finds_them() {
         .iter()
         .map(|m| m["name"].as_str().unwrap())
         .collect();
-    // sim-small: K = V = 32, K-first; bf16 inputs by default
+    // sim-small: K = V = 32, K-first; bf16 inputs, plain and padded batches by default
     assert_eq!(
         names,
-        ["kda_decode_fp16_bf16_kfirst_k32_v32.cu", "kda_fill.cu"]
+        [
+            "kda_decode_fp16_bf16_kfirst_k32_v32.cu",
+            "kda_decode_fp16_bf16_kfirst_k32_v32_padded.cu",
+            "kda_fill.cu"
+        ]
     );
     for m in modules {
         assert_eq!(m["cached"], false, "{m}");

@@ -21,8 +21,8 @@ use std::io::Write;
 
 use kda_kernels::cuda::{CudaBackend, CudaBatch, CudaBuffer};
 use kda_kernels::{
-    Backend, BatchPlan, BetaMode, EagerKernel, GateMode, IndexView, KdaOptions, RingKernel,
-    StepInputs,
+    Backend, BatchKind, BatchPlan, BetaMode, EagerKernel, GateMode, IndexView, KdaOptions,
+    RingKernel, StepInputs,
 };
 use kda_kernels::{TensorView, TensorViewMut};
 use state_pool::{DeviceMemory, Dtype, LayerPlanes, PoolGeometry, Rounding, StateLayout};
@@ -689,7 +689,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
                 .map(move |&layout| bench_geometry(1, 1, 1, state, layout))
         })
         .collect();
-    be.warm_up(&geometries).map_err(kerr)?;
+    let kinds: &[BatchKind] = if args.padded {
+        &BatchKind::ALL
+    } else {
+        &[BatchKind::Plain]
+    };
+    be.warm_up(&geometries, kinds).map_err(kerr)?;
     // warm the clocks up, then measure the copy ceiling: the best of the copy kernel's shapes
     const CEILING: usize = 1 << 30;
     be.time_copies(CEILING, 1, 50, 50).map_err(kerr)?;

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use kda_kernels::{GpuArch, KernelError};
+use kda_kernels::{BatchKind, GpuArch, KernelError};
 use serde::Serialize;
 use state_pool::{Dtype, PoolConfig, PoolGeometry, StateLayout};
 
@@ -37,6 +37,10 @@ pub struct Args {
     /// State layouts, comma-separated (default: the model's).
     #[arg(long, value_name = "LIST")]
     pub layouts: Option<String>,
+    /// Kinds of prepared batches the engine calls with, comma-separated: plain (`prepare`),
+    /// padded (`prepare_padded`, as CUDA graphs replay them); each has its own modules.
+    #[arg(long, value_name = "LIST", default_value = "plain,padded")]
+    pub batches: String,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -58,6 +62,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
     })?;
     let states = list("states", &args.states, Dtype::parse, "fp32, fp16, bf16")?;
     let inputs = list("inputs", &args.inputs, Dtype::parse, "fp32, fp16, bf16")?;
+    let kinds = list("batches", &args.batches, BatchKind::parse, "plain, padded")?;
     let model =
         super::report::load_model_or_default(args.model.as_deref(), args.hf_config.as_deref())?;
     let layouts = match &args.layouts {
@@ -82,12 +87,13 @@ pub fn run(args: Args) -> Result<(), CliError> {
             }
         }
     }
-    let modules = kda_kernels::precompile(&args.cache, arch, &geometries).map_err(|e| match e {
-        KernelError::InvalidArgument { arg: "dir", msg } => {
-            CliError::Usage(format!("--cache: {msg}"))
-        }
-        other => other.into(),
-    })?;
+    let modules =
+        kda_kernels::precompile(&args.cache, arch, &geometries, &kinds).map_err(|e| match e {
+            KernelError::InvalidArgument { arg: "dir", msg } => {
+                CliError::Usage(format!("--cache: {msg}"))
+            }
+            other => other.into(),
+        })?;
     if args.json {
         let out = JsonOut {
             arch: arch.to_string(),

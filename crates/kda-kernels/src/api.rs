@@ -258,6 +258,36 @@ impl KdaOptions {
 /// The buffer type of a backend.
 pub type Buf<B> = <<B as Backend>::Memory as DeviceMemory>::Buffer;
 
+/// The kind of prepared batch a call runs on: [`Backend::prepare`]'s or
+/// [`Backend::prepare_padded`]'s. A GPU backend compiles its kernels apart for each (a plain
+/// batch's kernels do not test for padding), so ahead-of-time compiles and warm-ups name the
+/// kinds an engine uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BatchKind {
+    /// A batch of [`Backend::prepare`]: every sequence computed.
+    Plain,
+    /// A batch of [`Backend::prepare_padded`]: its live sequences computed.
+    Padded,
+}
+
+impl BatchKind {
+    /// Both kinds.
+    pub const ALL: [BatchKind; 2] = [BatchKind::Plain, BatchKind::Padded];
+
+    /// `plain` or `padded`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchKind::Plain => "plain",
+            BatchKind::Padded => "padded",
+        }
+    }
+
+    /// `plain` or `padded` ([`BatchKind::name`]), else `None`.
+    pub fn parse(s: &str) -> Option<Self> {
+        BatchKind::ALL.into_iter().find(|k| k.name() == s)
+    }
+}
+
 /// A KDA backend: one method per operation, `Result` everywhere. Every method validates its
 /// arguments before touching the pool; on an argument error nothing has changed.
 pub trait Backend: Send + Sync {

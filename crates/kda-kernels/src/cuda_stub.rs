@@ -51,6 +51,7 @@ pub(crate) fn precompile_modules(
     _dir: &std::path::Path,
     _arch: crate::precompile::GpuArch,
     _geometries: &[PoolGeometry],
+    _kinds: &[crate::BatchKind],
 ) -> Result<Vec<crate::precompile::PrecompiledModule>> {
     Err(not_built())
 }
@@ -186,7 +187,7 @@ impl CudaBackend {
         match *self {}
     }
     /// Compiles and loads the kernels of these geometries ahead of their first use.
-    pub fn warm_up(&self, _geometries: &[PoolGeometry]) -> Result<()> {
+    pub fn warm_up(&self, _geometries: &[PoolGeometry], _kinds: &[crate::BatchKind]) -> Result<()> {
         match *self {}
     }
     /// Fixes the warps per CTA of eager decode.

@@ -21,8 +21,8 @@ pub mod serving_doc;
 pub mod testing;
 
 pub use api::{
-    Backend, BatchPlan, BetaMode, CuSeqlens, GateMode, IndexView, KdaOptions, StepInputs,
-    TensorView, TensorViewMut,
+    Backend, BatchKind, BatchPlan, BetaMode, CuSeqlens, GateMode, IndexView, KdaOptions,
+    StepInputs, TensorView, TensorViewMut,
 };
 pub use choice::{EagerKernel, RingKernel};
 pub use cpu::CpuBackend;

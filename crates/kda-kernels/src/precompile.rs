@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use state_pool::PoolGeometry;
 
+use crate::api::BatchKind;
 use crate::error::{KernelError, Result};
 
 /// A real GPU architecture, `sm_XY` (compute capability X.Y), as NVRTC compiles for it.
@@ -51,8 +52,8 @@ impl std::fmt::Display for GpuArch {
 /// One module in the cache after [`precompile`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PrecompiledModule {
-    /// The module's program name (`kda_decode_<state>_<input>_<layout>_k<K>_v<V>.cu`, or
-    /// `kda_fill.cu`).
+    /// The module's program name (`kda_decode_<state>_<input>_<layout>_k<K>_v<V>.cu`, with
+    /// `_padded` before `.cu` for padded batches' modules, or `kda_fill.cu`).
     pub name: String,
     /// The CUBIN's file in the cache.
     pub path: PathBuf,
@@ -63,8 +64,9 @@ pub struct PrecompiledModule {
 }
 
 /// Compiles, for GPUs of architecture `arch`, every kernel module that calls on layers of
-/// `geometries` load (one per state dtype, input dtype (the geometry's `ring_dtype`, as
-/// `CudaBackend::warm_up` takes it), layout, K and V) and the fill module, into the module
+/// `geometries` with batches of `kinds` load (one per state dtype, input dtype (the geometry's
+/// `ring_dtype`, as `CudaBackend::warm_up` takes it), layout, K, V and batch kind) and the fill
+/// module, into the module
 /// cache at `dir` (created if missing); modules already there are kept. Several compile at
 /// once. Needs the NVRTC library, no GPU or driver.
 ///
@@ -80,8 +82,9 @@ pub fn precompile(
     dir: &Path,
     arch: GpuArch,
     geometries: &[PoolGeometry],
+    kinds: &[BatchKind],
 ) -> Result<Vec<PrecompiledModule>> {
-    crate::cuda::precompile_modules(dir, arch, geometries)
+    crate::cuda::precompile_modules(dir, arch, geometries, kinds)
 }
 
 #[cfg(test)]

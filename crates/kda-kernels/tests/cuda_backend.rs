@@ -24,7 +24,8 @@ use kda_kernels::testing::{
     Case, DeviceInputs, HostInputs, TestLayer, TokenOp,
 };
 use kda_kernels::{
-    Backend, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, RingKernel, TensorViewMut,
+    Backend, BatchKind, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, RingKernel,
+    TensorViewMut,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -40,7 +41,7 @@ fn cuda() -> Option<CudaBackend> {
     match CudaBackend::new() {
         Ok(be) => {
             WARM.call_once(|| {
-                be.warm_up(&suite_geometries())
+                be.warm_up(&suite_geometries(), &[BatchKind::Plain])
                     .expect("the suite's kernels compile")
             });
             Some(be)
@@ -1348,8 +1349,9 @@ fn cuda_precompiled_modules_load_on_the_device_with_their_kernels() {
         1,
     )
     .geometry();
-    let modules = kda_kernels::precompile(&dir, cu.arch(), &[g]).expect("NVRTC compiles them");
-    assert_eq!(modules.len(), 2, "{modules:?}");
+    let modules = kda_kernels::precompile(&dir, cu.arch(), &[g], &BatchKind::ALL)
+        .expect("NVRTC compiles them");
+    assert_eq!(modules.len(), 3, "{modules:?}");
     // the driver loads each CUBIN and finds the kernels the registry looks up in it
     let ctx = cudarc::driver::CudaContext::new(0).expect("device 0");
     for m in &modules {

@@ -36,8 +36,8 @@ use super::registry::{
 };
 use super::ring_plan::{ring_choice, RingShape, RING_THREADS};
 use crate::api::{
-    Backend, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs, TensorView,
-    TensorViewMut,
+    Backend, BatchKind, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs,
+    TensorView, TensorViewMut,
 };
 use crate::choice::{EagerKernel, RingKernel};
 use crate::cpu::validate::{
@@ -260,12 +260,14 @@ impl CudaBackend {
     }
 
     /// Compiles and loads, several at a time, the kernels that calls on layers of these
-    /// geometries use (inputs in each geometry's `ring_dtype`), so that no later call waits for
-    /// NVRTC. Without it a kernel module compiles on its first use, taking seconds. An engine
-    /// calls this once at startup with the geometries of its pools; modules already loaded are
-    /// skipped. The first compile or load error, if any.
-    pub fn warm_up(&self, geometries: &[PoolGeometry]) -> Result<()> {
-        warm_up(&self.ctx, &StepKey::of_pools(geometries))
+    /// geometries use (inputs in each geometry's `ring_dtype`) on batches of `kinds` (each kind
+    /// has its own modules: [`BatchKind`]), so that no later call waits for NVRTC. Without it a
+    /// kernel module compiles on its first use, taking seconds (and a padded batch's first call
+    /// is then better not inside a graph capture). An engine calls this once at startup with
+    /// the geometries of its pools; modules already loaded are skipped. The first compile or
+    /// load error, if any.
+    pub fn warm_up(&self, geometries: &[PoolGeometry], kinds: &[BatchKind]) -> Result<()> {
+        warm_up(&self.ctx, &StepKey::of_pools(geometries, kinds))
     }
 
     /// The stream all work runs on.
@@ -577,7 +579,12 @@ impl CudaBackend {
             Some(i) => i.q.dtype,
             None => g.ring_dtype,
         };
-        let key = StepKey::of(g, input);
+        let kind = if call.batch.live.is_some() {
+            BatchKind::Padded
+        } else {
+            BatchKind::Plain
+        };
+        let key = StepKey::of(g, input, kind);
 
         let s = self.stream();
         let ptr = |b: &CudaBuffer| b.device_ptr(s);

@@ -28,11 +28,13 @@ pub use memory::{CudaBuffer, CudaMemory, BORROW_ALIGN};
 pub use timing::CapturedGraph;
 
 /// [`crate::precompile`] on this backend: the modules of `geometries` (input dtype: each
-/// geometry's `ring_dtype`, as [`CudaBackend::warm_up`]) and the fill module.
+/// geometry's `ring_dtype`, as [`CudaBackend::warm_up`]) for batches of `kinds`, and the fill
+/// module.
 pub(crate) fn precompile_modules(
     dir: &std::path::Path,
     arch: crate::precompile::GpuArch,
     geometries: &[state_pool::PoolGeometry],
+    kinds: &[crate::BatchKind],
 ) -> crate::Result<Vec<crate::precompile::PrecompiledModule>> {
-    registry::precompile(dir, arch, &registry::StepKey::of_pools(geometries))
+    registry::precompile(dir, arch, &registry::StepKey::of_pools(geometries, kinds))
 }

@@ -43,10 +43,6 @@ pub(crate) struct KdaParams {
     pub slots: u64,
     pub accepted: u64,
     pub err: u64,
-    /// `u32 [2]`: the count of the sequences computed, the first ones, and the batch's
-    /// updates so far (0: all `n_seqs`, the layer's epoch): a padded batch's
-    /// (`CudaBackend::prepare_padded`).
-    pub live: u64,
     pub n_seqs: u32,
     pub h: u32,
     pub hv: u32,
@@ -84,6 +80,11 @@ pub(crate) struct KdaParams {
     pub div_vb: FastDiv,
     /// Division by the GVA group, `hv / h`.
     pub div_grp: FastDiv,
+    /// `u32 [2]`: the count of the sequences computed, the first ones, and the batch's
+    /// updates so far (0: all `n_seqs`, the layer's epoch): a padded batch's
+    /// (`CudaBackend::prepare_padded`; read only by the padded modules, `KDA_PADDED`). Last,
+    /// so that the other fields keep their offsets.
+    pub live: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<KdaParams>() == 17 * 8 + 30 * 4);

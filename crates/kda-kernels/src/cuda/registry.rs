@@ -3,7 +3,7 @@
 //! capability (to machine code by default, PTX with `KDA_CUDA_CODE=ptx`: [`super::nvrtc`]) on
 //! first use (or ahead of it, several in parallel: [`warm_up`]), loaded, and
 //! cached for the rest of the process, one module per (device, state dtype, input dtype,
-//! layout, K, V), plus one for the fill and copy kernels. A module's compile holds only that
+//! layout, K, V, batch kind), plus one for the fill and copy kernels. A module's compile holds only that
 //! module's slot, so different modules compile at the same time.
 
 use std::collections::HashMap;
@@ -20,6 +20,7 @@ use state_pool::{Dtype, PoolGeometry, StateLayout};
 use super::cubin_cache::CubinCache;
 use super::kernel::Kernel;
 use super::nvrtc::{compile_cubin, nvrtc_version, CodeKind};
+use crate::api::BatchKind;
 use crate::choice::RingKernel;
 use crate::error::{KernelError, Result};
 use crate::precompile::{GpuArch, PrecompiledModule};
@@ -40,26 +41,34 @@ pub(crate) struct StepKey {
     pub layout: StateLayout,
     pub k: usize,
     pub v: usize,
+    /// The module of padded batches (`KDA_PADDED`: its kernels read the live count).
+    pub padded: bool,
 }
 
 impl StepKey {
-    /// The module of calls on a layer of geometry `g` with inputs of dtype `input`.
-    pub fn of(g: &PoolGeometry, input: Dtype) -> Self {
+    /// The module of calls on a layer of geometry `g` with inputs of dtype `input`, on
+    /// batches of `kind`.
+    pub fn of(g: &PoolGeometry, input: Dtype, kind: BatchKind) -> Self {
         StepKey {
             state: g.state_dtype,
             input,
             layout: g.layout,
             k: g.k,
             v: g.v,
+            padded: kind == BatchKind::Padded,
         }
     }
 
     /// The modules of calls on layers of `geometries`, with inputs in each geometry's
-    /// `ring_dtype` (the dtype of the kernels' inputs).
-    pub fn of_pools(geometries: &[PoolGeometry]) -> Vec<Self> {
-        geometries
+    /// `ring_dtype` (the dtype of the kernels' inputs), on batches of each of `kinds`.
+    pub fn of_pools(geometries: &[PoolGeometry], kinds: &[BatchKind]) -> Vec<Self> {
+        kinds
             .iter()
-            .map(|g| Self::of(g, g.ring_dtype))
+            .flat_map(|&kind| {
+                geometries
+                    .iter()
+                    .map(move |g| Self::of(g, g.ring_dtype, kind))
+            })
             .collect()
     }
 }
@@ -200,13 +209,14 @@ fn source(defines: &str, body: &str) -> String {
 /// The full source of a `kda_step` module (also used by tests that compile it offline).
 pub(crate) fn step_source(key: &StepKey) -> String {
     let defines = format!(
-        "#define KDA_ST {}\n#define KDA_ST_BYTES {}\n#define KDA_IT {}\n#define KDA_K {}\n#define KDA_V {}\n#define KDA_VFIRST {}\n",
+        "#define KDA_ST {}\n#define KDA_ST_BYTES {}\n#define KDA_IT {}\n#define KDA_K {}\n#define KDA_V {}\n#define KDA_VFIRST {}\n#define KDA_PADDED {}\n",
         c_type(key.state),
         key.state.size(),
         c_type(key.input),
         key.k,
         key.v,
-        u8::from(key.layout == StateLayout::VFirst)
+        u8::from(key.layout == StateLayout::VFirst),
+        u8::from(key.padded)
     );
     source(
         &defines,
@@ -343,12 +353,13 @@ fn module_source(mk: ModuleKey) -> (Vec<Key>, String, String) {
         ModuleKey::Step(k) => (
             step_module(k).to_vec(),
             format!(
-                "kda_decode_{}_{}_{}_k{}_v{}.cu",
+                "kda_decode_{}_{}_{}_k{}_v{}{}.cu",
                 k.state.name(),
                 k.input.name(),
                 k.layout.name(),
                 k.k,
-                k.v
+                k.v,
+                if k.padded { "_padded" } else { "" }
             ),
             step_source(&k),
         ),
@@ -598,6 +609,7 @@ mod tests {
             layout: StateLayout::VFirst,
             k: 64,
             v: 32,
+            padded: false,
         };
         for key in step_module(k) {
             assert_eq!(key.module(), ModuleKey::Step(k), "{key:?}");
@@ -658,16 +670,30 @@ mod tests {
             layout: StateLayout::KFirst,
             k: 32,
             v: 48,
+            padded: false,
+        };
+        let padded = StepKey {
+            padded: true,
+            ..key
         };
         // the same module twice: compiled once
-        let first = precompile(&dir, arch, &[key, key]).expect("precompiles");
+        let first = precompile(&dir, arch, &[key, padded, key]).expect("precompiles");
         let names: Vec<&str> = first.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(
             names,
-            ["kda_decode_fp16_bf16_kfirst_k32_v48.cu", "kda_fill.cu"]
+            [
+                "kda_decode_fp16_bf16_kfirst_k32_v48.cu",
+                "kda_decode_fp16_bf16_kfirst_k32_v48_padded.cu",
+                "kda_fill.cu"
+            ]
         );
         let version = nvrtc_version().unwrap();
-        for (m, mk) in first.iter().zip([ModuleKey::Step(key), ModuleKey::Fill]) {
+        let modules = [
+            ModuleKey::Step(key),
+            ModuleKey::Step(padded),
+            ModuleKey::Fill,
+        ];
+        for (m, mk) in first.iter().zip(modules) {
             assert!(!m.cached, "{}: nothing was there", m.name);
             // the file `load_cubin` looks for on an sm_90 device with this machine's NVRTC
             let (_, _, src) = module_source(mk);
@@ -681,7 +707,7 @@ mod tests {
             );
         }
         // a second run finds every module and compiles none
-        let second = precompile(&dir, arch, &[key]).expect("precompiles");
+        let second = precompile(&dir, arch, &[key, padded]).expect("precompiles");
         assert!(second.iter().all(|m| m.cached), "{second:?}");
         let strip = |v: &[PrecompiledModule]| {
             v.iter()
@@ -724,9 +750,19 @@ mod tests {
                         layout,
                         k: 128,
                         v: 128,
+                        padded: false,
                     });
                 }
             }
+            // the padded batches' modules, as the bench runs them
+            keys.push(StepKey {
+                state,
+                input: Dtype::Bf16,
+                layout: StateLayout::KFirst,
+                k: 128,
+                v: 128,
+                padded: true,
+            });
         }
         for (k, v, input) in [
             (5, 7, Dtype::Fp32),
@@ -739,6 +775,7 @@ mod tests {
                 layout: StateLayout::VFirst,
                 k,
                 v,
+                padded: false,
             });
         }
         // compiled several at a time, as `warm_up` does (NVRTC compiles programs concurrently)
