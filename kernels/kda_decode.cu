@@ -1574,6 +1574,20 @@ template <> struct KdaIsBf16<kda_bf16> {
     static constexpr bool value = true;
 };
 constexpr bool REGS_AFRESH = REGS_OK && KdaIsBf16<ST>::value;
+// Of a thread's RW rows the first RR in registers, the other RS in shared memory (copied in by
+// cp.async, each thread reading back only its own words, so no barrier): 8 for bf16 pools,
+// which then fit 4 CTAs per SM in 64 registers without a spill (REGS_CTAS; H200, fifty-third
+// session: 1.3-2.0% faster at 3072-8192 heads, 0.5% at 2048, 0.4% slower at 1536); 16 for
+// fp16 pools (at 8 rows and 4 CTAs 12 bytes spilled, 3.6-5.7% slower; 4 rows at 5 CTAs 0.5-3.9%
+// slower but for -0.6% at 8192 heads) and fp32 ones (8 rows at 4 CTAs 2.8-8.8% slower, 12 at 3
+// 0.1-1.6% slower).
+constexpr int RR = REGS_OK ? (REGS_AFRESH ? 8 : 16) : 1;
+constexpr int RS = REGS_OK ? RW - RR : 0;
+// CTAs of kda_eager_regs per SM its registers are built for: 2 for fp32 pools (their 64 KB heads
+// take 64 registers of words alone; 104 registers, no spill), 4 for bf16 ones (RR), 3 for fp16
+// ones (80 registers; the nearest path spills none, the stochastic one 44-52 bytes; at 4, 64
+// registers, the nearest path spilled 88-92 bytes).
+constexpr int REGS_CTAS = sizeof(ST) == 4 ? 2 : RS > 0 ? 4 : 3;
 
 // Makes a 2-byte pool's word opaque to the compiler (no instruction), so nothing computed from
 // it before is reused after (a template, so only modules that use it compile it).
@@ -1584,13 +1598,33 @@ template <typename W> __device__ __forceinline__ void regs_opaque(W& w) {
 #endif
 }
 
+// The shared-memory words of kda_eager_regs' threads: thread t's row RR + i at [i * 256 + t].
+__device__ __forceinline__ RegsWord* regs_smem() {
+    __shared__ RegsWord sm[RS > 0 ? RS * 256 : 1];
+    return sm;
+}
+
 // The thread's words of the head (REGS_OK; otherwise nothing).
 __device__ __forceinline__ void regs_load(const ST* head, RegsWord (&w)[RW]) {
     if constexpr (REGS_OK) {
         const int row0 = 16 * (int)(threadIdx.x >> 5), col0 = 4 * (int)(threadIdx.x & 31);
 #pragma unroll
-        for (int i = 0; i < RW; ++i) w[i] = *reinterpret_cast<const RegsWord*>(head + (size_t)(row0 + i) * V + col0);
+        for (int i = 0; i < RW; ++i) {
+            const RegsWord* src = reinterpret_cast<const RegsWord*>(head + (size_t)(row0 + i) * V + col0);
+            if (i < RR) {
+                w[i] = *src;
+            } else if constexpr (sizeof(RegsWord) == 8) {
+                cp_async8(regs_smem() + (i - RR) * 256 + threadIdx.x, src);
+            } else {
+                cp_async16(regs_smem() + (i - RR) * 256 + threadIdx.x, src);
+            }
+        }
+        if constexpr (RS > 0) cp_async_commit();
     }
+}
+// The thread's word of row i (RR.. from shared memory).
+__device__ __forceinline__ RegsWord regs_word(const RegsWord (&w)[RW], int i) {
+    return i < RR ? w[i] : regs_smem()[(i - RR) * 256 + threadIdx.x];
 }
 
 // Element c (0..3) of a word as f32 (templates, so each module compiles only its own).
@@ -1635,10 +1669,12 @@ __device__ __forceinline__ void token_step_regs(const RegsWord (&w)[RW], ST* hea
         q += row0;
         // 1) k S down the warp's 16 rows, the warps' sums in reduce_k's order
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if constexpr (RS > 0) cp_async_wait<0>();
 #pragma unroll
         for (int i = 0; i < RW; ++i) {
+            const RegsWord wi = regs_word(w, i);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[c] = fmaf(k[i], regs_elem(w[i], c) * d[i], acc[c]);
+            for (int c = 0; c < 4; ++c) acc[c] = fmaf(k[i], regs_elem(wi, c) * d[i], acc[c]);
         }
         *reinterpret_cast<float4*>(part + j * V + col0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
         __syncthreads();
@@ -1654,7 +1690,7 @@ __device__ __forceinline__ void token_step_regs(const RegsWord (&w)[RW], ST* hea
         float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int i = 0; i < RW; ++i) {
-            RegsWord wi = w[i];
+            RegsWord wi = regs_word(w, i);
             // bf16: the word's elements unpacked afresh here, not kept from 1) (kept, 48 bytes
             // spilled at 80 registers, 4-5% slower; fp16 was 1.2-1.3% slower unpacked afresh,
             // forty-eighth session)
@@ -2123,15 +2159,10 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 // fit 3 times) and 2-byte V-first pools (with fewer than 80 registers they spilled).
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
-// CTAs of kda_eager_regs per SM its registers are built for: 3 for 2-byte pools (80 registers;
-// the nearest path spills none, the stochastic one 44-52 bytes; at 4, 64 registers, the nearest
-// path spilled 88-92 bytes), 2 for fp32 ones (their 64 KB heads take 64 registers of words
-// alone; 104 registers, no spill).
-#define KDA_EAGER_REGS_CTAS (sizeof(KDA_ST) == 4 ? 2 : 3)
 
 // kda_eager_tile with the whole head in registers, a whole row per warp access
 // (token_step_regs; K-first pools with K = V = 128 only, the host's plan); same bits.
-extern "C" __global__ void __launch_bounds__(256, KDA_EAGER_REGS_CTAS) kda_eager_regs(const KdaParams p) {
+extern "C" __global__ void __launch_bounds__(256, REGS_CTAS) kda_eager_regs(const KdaParams p) {
     if constexpr (REGS_OK) eager_tile_run<MOVE_REGS>(p);
 }
 

@@ -249,7 +249,10 @@ fn regs_fits(e: &EagerShape) -> bool {
 /// bulk pipe at 768-1440 heads. With a whole row per warp access (forty-eighth session, call
 /// 4, forced) fp16 pools 1.4-1.8% faster again at 1536-8192 heads (H 32 N 256: 137.4 against
 /// 139.3 us), bf16 level; at 8192 fp16 1.2% faster than the stream kernel (call 5), so it
-/// takes 8192 heads too. (On devices with bulk copies only, where it was measured.)
+/// takes 8192 heads too. For bf16 pools it holds half of each thread's rows in shared memory
+/// at 4 CTAs per SM (`RR`, `REGS_CTAS` in `kernels/kda_decode.cu`; fifty-third session: 1.3-2.0%
+/// faster at 3072-8192 heads, 0.4% slower at 1536). (On devices with bulk copies only, where
+/// it was measured.)
 const REGS_2_BYTE_K_FIRST: std::ops::Range<usize> = 1536..8193;
 
 /// Value heads of a call for which an fp32 K-first pool of K = V = 128 decodes with
