@@ -1948,10 +1948,7 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
     const int lk = lane / LV, lv = lane % LV;
     const int cw = nwarps * WC;
     const kda_u32 item = blockIdx.x;
-    // A padded call's live count (live_seqs): loaded first, tested only before the state's
-    // first load, so its latency overlaps the inputs' and the slot's loads (a padding CTA
-    // loads those, uses none, and touches no state).
-    const kda_u32 live = live_seqs(p);
+    if (padding_cta(p)) return;
     kda_u32 slot = 0u;
 #if KDA_GRID_DEPENDENCY
     if (p.early != 0u) {
@@ -2008,7 +2005,6 @@ __device__ __forceinline__ void eager_tile_run(const KdaParams& p) {
 
     if (SLOT_AGAIN || !KDA_GRID_DEPENDENCY || p.early != EARLY_SLOT_ONCE)
         slot = reinterpret_cast<const kda_u32*>(p.slots)[eager_seq(p, item)];
-    if (padded_call(p) && eager_seq(p, item) >= live) return;
     ST* head = state_head(p, slot, hv);
     const int col0l = warp * WC + lv * TV, col0 = it.cb + col0l;
     float s[TK][TV];

@@ -652,21 +652,7 @@ struct TileItem {
     kda_u32* meta;
     kda_u32 bos, nnew;
     int group;
-#if KDA_PADDED
-    bool pad; // a padded call's padding item: the caller returns before any write (padded_call)
-#endif
 };
-
-// Whether the item belongs to a padded call's padding (tile_item_begin); false in a plain
-// module, whose TileItem has no such field (with one its SASS changed).
-__device__ __forceinline__ bool tile_pad(const TileItem& it) {
-#if KDA_PADDED
-    return it.pad;
-#else
-    (void)it;
-    return false;
-#endif
-}
 
 // The item's coordinates, slot and new tokens (the host's: read before the wait, early_u32), a
 // dependent launch's L2 prefetches, then the wait. WHOLE: every item has RCW columns (the host
@@ -684,10 +670,6 @@ template <bool WHOLE = false, int CTAS = 2> __device__ __forceinline__ TileItem 
     // (with the slot: read after the wait they were a round trip on the way to the new rows)
     it.bos = early_u32(p.bounds, it.n);
     it.nnew = early_u32(p.bounds, it.n + 1) - it.bos;
-#if KDA_PADDED
-    // a padded call's live count, loaded with the slot and the bounds (its latency theirs)
-    it.pad = padded_call(p) && it.n >= live_seqs(p);
-#endif
     it.h = (int)kda_div((kda_u32)it.hv, p.div_grp);
     it.group = (int)(p.hv / p.h);
 #if KDA_GRID_DEPENDENCY
@@ -912,8 +894,8 @@ extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_tile(const Kda
     __shared__ kda_u32 s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
+    if (padding_cta(p)) return;
     TileItem it = tile_item_begin(p);
-    if (tile_pad(it)) return;
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
     // the plan's loads, the new tokens' rows, the plan; the tile after the pending rows (below)

@@ -389,7 +389,6 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
     TileItem it = tile_item_begin(p);
-    if (tile_pad(it)) return true; // nothing to do
     if (it.nnew != 1u) return false;
     const kda_u32 slot = it.slot, bos = it.bos;
     const int hv = it.hv, h = it.h;
@@ -630,7 +629,6 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lk = lane / LV, lv = lane % LV;
     TileItem it = tile_item_begin(p);
-    if (tile_pad(it)) return;
     const RingTileLayout L((int)p.ring_mt, (int)p.ring_mq);
     const DeltaLayout D(L, (int)p.ring_mt, (int)p.ring_mq);
     const int mq = (int)p.ring_mq;
@@ -869,6 +867,7 @@ __device__ __forceinline__ void ring_delta_item(const KdaParams& p) {
 
 extern "C" __global__ void __launch_bounds__(kda::RT, 2) kda_ring_delta(const KdaParams p) {
     using namespace kda;
+    if (padding_cta(p)) return;
     if constexpr (LEAN_FITS) {
         if (p.op == KDA_OP_DECODE && ring_delta_decode<false>(p)) return;
     }
@@ -894,6 +893,7 @@ template <bool FITS> __device__ __forceinline__ bool staged_decode(const KdaPara
 // take.
 extern "C" __global__ void __launch_bounds__(kda::RT, 3) kda_ring_delta_staged(const KdaParams p) {
     using namespace kda;
+    if (padding_cta(p)) return;
     if (p.op == KDA_OP_DECODE && staged_decode<STAGE_FITS>(p)) return;
     ring_delta_item_far(p);
 }

@@ -297,6 +297,7 @@ template <bool IN> __device__ __forceinline__ void tile_copy(ST* tile, ST* head,
 
 extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mma(const KdaParams p) {
     using namespace kda;
+    if (padding_cta(p)) return;
     if constexpr (MMA_FITS) {
         extern __shared__ __align__(16) unsigned char dsm[];
         __shared__ Plan s_plan;
@@ -305,7 +306,6 @@ extern "C" __global__ void __launch_bounds__(kda::RT, kda::MMA_CTAS) kda_ring_mm
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
         TileItem it = tile_item_begin<true, MMA_CTAS>(p);
-        if (tile_pad(it)) return;
         // the tile is copied in once the plan is known (below), from L2
         if (p.early == 0u) prefetch_tile(state_head(p, it.slot, it.hv), it.cb, it.cwv);
         const MmaLayout L((int)p.ring_mt, (int)p.ring_mq);
