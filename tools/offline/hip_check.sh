@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 #   tools/offline/hip_check.sh [ARCH] [usage]      (default gfx90a)
 # Compiles the kernel sources with hipcc for an AMD GPU (device code, -O3), in the variants of
-# kernel_sass.sh plus fp16 inputs, to keep "one source for CUDA and HIP" (kernels/kda_compat.cuh)
-# true: says per variant whether it compiles, with the first errors. A compile check only: no
+# kernel_sass.sh plus fp16 inputs and one module of padded batches (KDA_PADDED), to keep "one
+# source for CUDA and HIP" (kernels/kda_compat.cuh) true: says per variant whether it
+# compiles, with the first errors. A compile check only: no
 # HIP backend loads or runs these modules yet, and nothing here checks what they compute (AMD's
 # 64-lane waves included). Needs hipcc (Debian 12: `apt-get install hipcc`, ROCm 5.2; no GPU
 # needed). Where the ROCm has no hip/hip_bf16.h (5.2 has none) a stand-in with the four names
@@ -42,11 +43,12 @@ H
 fi
 fails=0
 for v in "float float 0" "kda_half kda_bf16 0" "kda_bf16 kda_bf16 0" "float float 1" "kda_half kda_bf16 1" \
-    "kda_half kda_half 0"; do
-    read -r st it vf <<<"$v"
-    tu="$tmp/$st-$it-$vf.hip"
-    tools/offline/kernel_tu.sh kernels "$st" "$it" "$vf" >"$tu"
-    tag="$st state, $it inputs, $([ "$vf" = 1 ] && echo V-first || echo K-first)"
+    "kda_half kda_half 0" "kda_half kda_bf16 0 1"; do
+    read -r st it vf padded <<<"$v"
+    padded=${padded:-0}
+    tu="$tmp/$st-$it-$vf-$padded.hip"
+    tools/offline/kernel_tu.sh kernels "$st" "$it" "$vf" "$padded" >"$tu"
+    tag="$st state, $it inputs, $([ "$vf" = 1 ] && echo V-first || echo K-first)$([ "$padded" = 1 ] && echo ", padded batches" || true)"
     if hipcc "${inc[@]}" --offload-arch="$arch" --offload-device-only -c -O3 -std=c++17 \
         -Wno-pragma-once-outside-header "${usage[@]}" -o "${tu%.hip}.o" "$tu" >"${tu%.hip}.log" 2>&1; then
         echo "$tag: compiles for $arch"
