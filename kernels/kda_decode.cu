@@ -2159,7 +2159,6 @@ extern "C" __global__ void KDA_EAGER_TILE_BOUNDS kda_eager_tile_bulk_in(const Kd
 // fit 3 times) and 2-byte V-first pools (with fewer than 80 registers they spilled).
 #define KDA_EAGER_STREAM_CTAS (sizeof(KDA_ST) == 4 || KDA_VFIRST ? 3 : 6)
 
-
 // kda_eager_tile with the whole head in registers, a whole row per warp access
 // (token_step_regs; K-first pools with K = V = 128 only, the host's plan); same bits.
 extern "C" __global__ void __launch_bounds__(256, REGS_CTAS) kda_eager_regs(const KdaParams p) {

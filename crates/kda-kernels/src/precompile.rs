@@ -66,9 +66,8 @@ pub struct PrecompiledModule {
 /// Compiles, for GPUs of architecture `arch`, every kernel module that calls on layers of
 /// `geometries` with batches of `kinds` load (one per state dtype, input dtype (the geometry's
 /// `ring_dtype`, as `CudaBackend::warm_up` takes it), layout, K, V and batch kind) and the fill
-/// module, into the module
-/// cache at `dir` (created if missing); modules already there are kept. Several compile at
-/// once. Needs the NVRTC library, no GPU or driver.
+/// module, into the module cache at `dir` (created if missing); modules already there are kept.
+/// Several compile at once. Needs the NVRTC library, no GPU or driver.
 ///
 /// A module's file is named by a hash of its source, NVRTC's options and NVRTC's version, and
 /// the options name the CUDA include directory found here (`CUDA_PATH`, `CUDA_HOME`,

@@ -3,8 +3,8 @@
 //! capability (to machine code by default, PTX with `KDA_CUDA_CODE=ptx`: [`super::nvrtc`]) on
 //! first use (or ahead of it, several in parallel: [`warm_up`]), loaded, and
 //! cached for the rest of the process, one module per (device, state dtype, input dtype,
-//! layout, K, V, batch kind), plus one for the fill and copy kernels. A module's compile holds only that
-//! module's slot, so different modules compile at the same time.
+//! layout, K, V, batch kind), plus one for the fill and copy kernels. A module's compile holds
+//! only that module's slot, so different modules compile at the same time.
 
 use std::collections::HashMap;
 use std::path::Path;
