@@ -1573,8 +1573,7 @@ template <typename T> struct KdaIsBf16 {
 template <> struct KdaIsBf16<kda_bf16> {
     static constexpr bool value = true;
 };
-// PROBE: fp16 pools too (64 registers, no spill with RR = 8 at 4 CTAs per SM; 12 bytes kept)
-constexpr bool REGS_AFRESH = REGS_OK && sizeof(ST) == 2;
+constexpr bool REGS_AFRESH = REGS_OK && KdaIsBf16<ST>::value;
 // Of a thread's RW rows the first RR in registers, the other RS in shared memory (copied in by
 // cp.async, each thread reading back only its own words, so no barrier): 8 for bf16 pools,
 // which then fit 4 CTAs per SM in 64 registers without a spill (REGS_CTAS; H200, fifty-third
