@@ -728,7 +728,7 @@ __device__ __forceinline__ kda_u32 early_u32(kda_u64 buf, kda_u32 i) {
 __device__ __forceinline__ kda_u32 early_slot(const KdaParams& p, kda_u32 seq) { return early_u32(p.slots, seq); }
 
 // Whether this module reads a padded batch's live count (KDA_PADDED) and this call has one.
-// A test of a kernel parameter alone cost plain batches 0.4-1.3% on the 2-byte eager kernels
+// A test of a kernel parameter alone cost plain batches up to 1.3% on the 2-byte eager kernels
 // (docs/performance.md, fifty-third session): plain modules compile it away.
 __device__ __forceinline__ bool padded_call(const KdaParams& p) { return KDA_PADDED != 0 && p.live != 0u; }
 // The sequences the call computes: all n_seqs, or with p.live (a batch padded to a fixed size,
