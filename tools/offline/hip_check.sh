@@ -3,9 +3,8 @@
 # Compiles the kernel sources with hipcc for an AMD GPU (device code, -O3), in the variants of
 # kernel_sass.sh plus fp16 inputs and one module of padded batches (KDA_PADDED), to keep "one
 # source for CUDA and HIP" (kernels/kda_compat.cuh) true: says per variant whether it
-# compiles, with the first errors. A compile check only: no
-# HIP backend loads or runs these modules yet, and nothing here checks what they compute (AMD's
-# 64-lane waves included). Needs hipcc (Debian 12: `apt-get install hipcc`, ROCm 5.2; no GPU
+# compiles, with the first errors. A compile check only: no HIP backend loads or runs these
+# modules yet, and nothing here checks what they compute (AMD's 64-lane waves included). Needs hipcc (Debian 12: `apt-get install hipcc`, ROCm 5.2; no GPU
 # needed). Where the ROCm has no hip/hip_bf16.h (5.2 has none) a stand-in with the four names
 # kda_compat.cuh uses is put on the include path (bit casts, and conversions that round to
 # nearest even) and the output says so. With `usage`, each kernel's VGPRs, scratch (spilled)

@@ -71,6 +71,10 @@ impl CudaBatch {
     pub fn is_padded(&self) -> bool {
         match *self {}
     }
+    /// The kind of the batch, which picks its kernels' modules.
+    pub fn kind(&self) -> crate::BatchKind {
+        match *self {}
+    }
 }
 
 impl CudaBuffer {

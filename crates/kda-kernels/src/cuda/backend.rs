@@ -71,7 +71,17 @@ impl CudaBatch {
 
     /// Whether the batch was prepared by [`Backend::prepare_padded`].
     pub fn is_padded(&self) -> bool {
-        self.plans.padded_shape().is_some()
+        self.kind() == BatchKind::Padded
+    }
+
+    /// The kind of the batch, which picks its kernels' modules: padded where it has a live
+    /// count for them to read.
+    pub fn kind(&self) -> BatchKind {
+        if self.live.is_some() {
+            BatchKind::Padded
+        } else {
+            BatchKind::Plain
+        }
     }
 }
 
@@ -579,12 +589,7 @@ impl CudaBackend {
             Some(i) => i.q.dtype,
             None => g.ring_dtype,
         };
-        let kind = if call.batch.live.is_some() {
-            BatchKind::Padded
-        } else {
-            BatchKind::Plain
-        };
-        let key = StepKey::of(g, input, kind);
+        let key = StepKey::of(g, input, call.batch.kind());
 
         let s = self.stream();
         let ptr = |b: &CudaBuffer| b.device_ptr(s);

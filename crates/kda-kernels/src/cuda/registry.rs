@@ -41,8 +41,9 @@ pub(crate) struct StepKey {
     pub layout: StateLayout,
     pub k: usize,
     pub v: usize,
-    /// The module of padded batches (`KDA_PADDED`: its kernels read the live count).
-    pub padded: bool,
+    /// The batches it serves (padded ones: compiled with `KDA_PADDED`, its kernels read the
+    /// live count).
+    pub kind: BatchKind,
 }
 
 impl StepKey {
@@ -55,7 +56,7 @@ impl StepKey {
             layout: g.layout,
             k: g.k,
             v: g.v,
-            padded: kind == BatchKind::Padded,
+            kind,
         }
     }
 
@@ -216,7 +217,7 @@ pub(crate) fn step_source(key: &StepKey) -> String {
         key.k,
         key.v,
         u8::from(key.layout == StateLayout::VFirst),
-        u8::from(key.padded)
+        u8::from(key.kind == BatchKind::Padded)
     );
     source(
         &defines,
@@ -359,7 +360,11 @@ fn module_source(mk: ModuleKey) -> (Vec<Key>, String, String) {
                 k.layout.name(),
                 k.k,
                 k.v,
-                if k.padded { "_padded" } else { "" }
+                if k.kind == BatchKind::Padded {
+                    "_padded"
+                } else {
+                    ""
+                }
             ),
             step_source(&k),
         ),
@@ -609,7 +614,7 @@ mod tests {
             layout: StateLayout::VFirst,
             k: 64,
             v: 32,
-            padded: false,
+            kind: BatchKind::Plain,
         };
         for key in step_module(k) {
             assert_eq!(key.module(), ModuleKey::Step(k), "{key:?}");
@@ -670,10 +675,10 @@ mod tests {
             layout: StateLayout::KFirst,
             k: 32,
             v: 48,
-            padded: false,
+            kind: BatchKind::Plain,
         };
         let padded = StepKey {
-            padded: true,
+            kind: BatchKind::Padded,
             ..key
         };
         // the same module twice: compiled once
@@ -750,7 +755,7 @@ mod tests {
                         layout,
                         k: 128,
                         v: 128,
-                        padded: false,
+                        kind: BatchKind::Plain,
                     });
                 }
             }
@@ -761,7 +766,7 @@ mod tests {
                 layout: StateLayout::KFirst,
                 k: 128,
                 v: 128,
-                padded: true,
+                kind: BatchKind::Padded,
             });
         }
         for (k, v, input) in [
@@ -775,7 +780,7 @@ mod tests {
                 layout: StateLayout::VFirst,
                 k,
                 v,
-                padded: false,
+                kind: BatchKind::Plain,
             });
         }
         // compiled several at a time, as `warm_up` does (NVRTC compiles programs concurrently)
