@@ -1,5 +1,8 @@
 // KDA decode, spec_verify and replay over the replay ring (docs/architecture.md, "The replay
-// ring"; spec section 2 for the token step). One kernel for every operation, kda_step,
+// ring"; spec section 2 for the token step), and prefill token by token (KDA_OP_PREFILL: the
+// pending entries folded, every token of the sequence stepped in order, the state stored once
+// at the end and the ring left empty, as the CPU backend's chunked prefill does up to the f32
+// arithmetic's order). One kernel for every operation, kda_step,
 // templated through macros on the state element (KDA_ST), the input/ring/output element
 // (KDA_IT), the layout (KDA_VFIRST) and the head dims (KDA_K, KDA_V); f32 arithmetic with f32
 // accumulation. Eager decode can also run kda_eager / kda_eager_stage (the pipelined kernel
@@ -94,6 +97,7 @@ __device__ __forceinline__ kda_u32 kda_div(kda_u32 n, KdaDiv d) {
 #define KDA_OP_DECODE 0u
 #define KDA_OP_SPEC 1u
 #define KDA_OP_REPLAY 2u
+#define KDA_OP_PREFILL 3u // kda_step only: the pending entries folded, then every token, one store
 #define KDA_ERR_ACCEPTED 1u      // accepted > drafts: clamped
 #define KDA_ERR_DECODE_DRAFTS 2u // decode on a slot with drafts: drafts dropped
 #define KDA_ERR_META 4u          // corrupt ring record: clamped
@@ -573,7 +577,9 @@ __device__ __forceinline__ void prepass(Smem& sm, const KdaParams& p, const Plan
 // The plan of sequence n from its ring record (len, pending) and raw accepted count (already
 // loaded): the pending entries folded first, where the state is stored and where the new tokens
 // go; records bad ring records and accepted counts in the error word (first CTA or item of the
-// slot only).
+// slot only). PREFILL: whether the caller takes KDA_OP_PREFILL (kda_step only), so that the
+// ring kernels, which never run it, compile no test of it.
+template <bool PREFILL = false>
 __device__ __forceinline__ Plan plan_from(const KdaParams& p, kda_u32 slot, kda_u32 nnew, kda_u32 len,
                                           kda_u32 pending, kda_u32 acc, kda_u32* err, bool first_cta) {
     Plan pl;
@@ -581,7 +587,7 @@ __device__ __forceinline__ Plan plan_from(const KdaParams& p, kda_u32 slot, kda_
     pl.new_len = pl.new_pending = 0;
     if (p.ring_len == 0) {
         pl.pend = 0;
-        pl.store_after = (p.op == KDA_OP_DECODE && nnew > 0) ? nnew : KDA_NONE;
+        pl.store_after = ((p.op == KDA_OP_DECODE || (PREFILL && p.op == KDA_OP_PREFILL)) && nnew > 0) ? nnew : KDA_NONE;
     } else {
         kda_u32 flags = 0;
         if (len > p.ring_len || pending > len) {
@@ -593,6 +599,8 @@ __device__ __forceinline__ Plan plan_from(const KdaParams& p, kda_u32 slot, kda_
         if (p.op == KDA_OP_DECODE) {
             acc = 0;
             if (drafts > 0) flags |= KDA_ERR_DECODE_DRAFTS;
+        } else if (PREFILL && p.op == KDA_OP_PREFILL) {
+            acc = 0; // a prefill drops the drafts by contract
         }
         if (acc > drafts) {
             flags |= KDA_ERR_ACCEPTED;
@@ -601,6 +609,9 @@ __device__ __forceinline__ Plan plan_from(const KdaParams& p, kda_u32 slot, kda_
         pl.pend = pending + acc;
         if (p.op == KDA_OP_REPLAY) {
             pl.store_after = pl.pend > 0 ? pl.pend : KDA_NONE;
+        } else if (PREFILL && p.op == KDA_OP_PREFILL) {
+            // the pending entries and every token, stored once at the end; the ring left empty
+            pl.store_after = pl.pend + nnew > 0 ? pl.pend + nnew : KDA_NONE;
         } else if (pl.pend + nnew <= p.ring_len) {
             pl.store_after = KDA_NONE;
             pl.append_at = pl.pend;
@@ -621,8 +632,8 @@ __device__ __forceinline__ Plan plan_from(const KdaParams& p, kda_u32 slot, kda_
     return pl;
 }
 
-// The plan of sequence n, decided by thread 0 of each CTA (reads the ring record and the
-// accepted count, then plan_from).
+// The plan of sequence n, decided by thread 0 of each CTA of kda_step (reads the ring record
+// and the accepted count, then plan_from, prefill included).
 __device__ __forceinline__ Plan make_plan(const KdaParams& p, kda_u32 n, kda_u32 slot, kda_u32 nnew,
                                          const kda_u32* meta, kda_u32* err, bool first_cta) {
     kda_u32 len = 0, pending = 0, acc = 0;
@@ -632,7 +643,7 @@ __device__ __forceinline__ Plan make_plan(const KdaParams& p, kda_u32 n, kda_u32
         pending = vm[1];
         acc = p.accepted ? reinterpret_cast<const kda_u32*>(p.accepted)[n] : 0u;
     }
-    return plan_from(p, slot, nnew, len, pending, acc, err, first_cta);
+    return plan_from<true>(p, slot, nnew, len, pending, acc, err, first_cta);
 }
 
 // The end of a CTA of a ring call: appends the new tokens' raw inputs of the CTA's unit (its

@@ -28,14 +28,17 @@ pub trait BackendTask {
 pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T) -> Result<T::Output, CliError> {
     match kind {
         BackendKind::Cpu => task.run(&kda_kernels::cpu::CpuBackend::new()),
-        BackendKind::Cuda => {
-            let backend = kda_kernels::cuda::CudaBackend::new().map_err(|e| match e {
-                kda_kernels::KernelError::Unavailable { .. } => {
-                    CliError::Usage(format!("--backend cuda: {e}; use --backend cpu"))
-                }
-                other => CliError::Failed(format!("--backend cuda: {other}")),
-            })?;
-            task.run(&backend)
-        }
+        BackendKind::Cuda => task.run(&cuda_backend()?),
     }
+}
+
+/// The CUDA backend, or the error of `--backend cuda` where it is not available (a usage
+/// error naming the reason: no driver, no GPU, no NVRTC, or a build without `cuda`).
+pub fn cuda_backend() -> Result<kda_kernels::cuda::CudaBackend, CliError> {
+    kda_kernels::cuda::CudaBackend::new().map_err(|e| match e {
+        kda_kernels::KernelError::Unavailable { .. } => {
+            CliError::Usage(format!("--backend cuda: {e}; use --backend cpu"))
+        }
+        other => CliError::Failed(format!("--backend cuda: {other}")),
+    })
 }

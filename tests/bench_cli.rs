@@ -26,7 +26,11 @@ fn assert_usage_error(args: &[&str], needle: &str) {
 #[test]
 fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
     assert_usage_error(&["--backend", "cpu"], "--backend: 'cpu'");
-    assert_usage_error(&["--op", "prefill"], "--op: 'prefill'");
+    assert_usage_error(&["--op", "chunk"], "--op: 'chunk'");
+    assert_usage_error(
+        &["--op", "chunk"],
+        "expected decode, spec, replay, all or prefill",
+    );
     assert_usage_error(
         &["--dependent-launch", "some"],
         "--dependent-launch: 'some'",
@@ -39,6 +43,8 @@ fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
     assert_usage_error(&["--ring", "0"], "--ring");
     assert_usage_error(&["--drafts", "2,0"], "--drafts: '0'");
     assert_usage_error(&["--spec-seqs", "x"], "--spec-seqs: 'x'");
+    assert_usage_error(&["--prefill-lens", "8x0"], "--prefill-lens: '8x0'");
+    assert_usage_error(&["--prefill-lens", "2048"], "e.g. 8x4096");
     assert_usage_error(&["--warps", "9"], "1..=8");
     assert_usage_error(&["--stages", "4"], "2 or 3");
     assert_usage_error(&["--forced", "bulk,fast"], "--forced: 'fast'");

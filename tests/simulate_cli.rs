@@ -244,7 +244,6 @@ fn bad_input_is_one_line_and_exit_code_2() {
         &[],
         "at least 4",
     );
-    assert_usage_error(&["--backend", "cuda"], &[], "no prefill yet");
     assert_usage_error(&["--pad-to", "0"], &[], "--pad-to 0: expected 1..=12");
     assert_usage_error(
         &[
@@ -281,4 +280,23 @@ fn bad_input_is_one_line_and_exit_code_2() {
     )
     .unwrap();
     assert_usage_error(&["--model", bad.to_str().unwrap()], &[], "num_v_heads");
+}
+
+#[test]
+fn cuda_backend_simulates_on_cuda_or_is_refused_never_run_on_the_cpu() {
+    let mut args = SMALL.to_vec();
+    args.extend_from_slice(&["--spec-tokens", "2", "--backend", "cuda", "--json"]);
+    let o = kda_pool(&args, &[]);
+    if o.status.success() {
+        let j: Value = serde_json::from_slice(&o.stdout).expect("--json prints one object");
+        assert_eq!(j["backend"], "cuda", "{j:#}");
+        assert_eq!(j["ok"], Value::Bool(true), "{j:#}");
+        assert_eq!(num(&j, &["requests"]), 16.0);
+    } else {
+        // no GPU, driver or NVRTC here (or a build without `cuda`): a usage error, one line
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
+        assert!(err.contains("--backend cuda"), "{err}");
+    }
 }

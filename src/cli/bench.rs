@@ -1,5 +1,5 @@
 //! `kda-pool bench`: decode, spec_verify and replay on the GPU, against the device's own
-//! copy bandwidth measured in the same run.
+//! copy bandwidth measured in the same run; prefill (`--op prefill`) in tokens per second.
 //!
 //! Method: each case allocates a pool of `R` disjoint slot sets of `N` slots (slots shuffled,
 //! `R * N * state bytes` well above the L2 size where memory allows), fills the state and the
@@ -88,7 +88,7 @@ impl Forced {
 /// Arguments of `kda-pool bench`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Which operations: decode, spec, replay or all.
+    /// Which operations: decode, spec, replay, all (those three) or prefill.
     #[arg(long, default_value = "all")]
     pub op: String,
     /// Write the rows as a JSON array to this file.
@@ -115,6 +115,10 @@ pub struct Args {
     /// Sequences per spec_verify call, comma-separated.
     #[arg(long, default_value = "64")]
     pub spec_seqs: String,
+    /// Prefill cases (`--op prefill`): sequences x tokens of each, comma-separated (the
+    /// shapes of fla's prefill rows in ../shared/anchors.md).
+    #[arg(long, default_value = "1x2048,8x4096")]
+    pub prefill_lens: String,
     /// Ring length of the ring-decode cases.
     #[arg(long, default_value_t = 8)]
     pub ring: usize,
@@ -304,9 +308,23 @@ fn setup(
     state: Dtype,
     layout: StateLayout,
 ) -> Result<Setup, CliError> {
+    let r = num_sets(n * h * KD * KD * state.size());
+    setup_sets(be, h, n, t, ring_len, state, layout, r)
+}
+
+/// [`setup`] with `r` slot sets.
+#[allow(clippy::too_many_arguments)]
+fn setup_sets(
+    be: &CudaBackend,
+    h: usize,
+    n: usize,
+    t: usize,
+    ring_len: usize,
+    state: Dtype,
+    layout: StateLayout,
+    r: usize,
+) -> Result<Setup, CliError> {
     let mem = be.memory();
-    let set_bytes = n * h * KD * KD * state.size();
-    let r = num_sets(set_bytes);
     let geometry = bench_geometry(h, r * n, ring_len, state, layout);
     let mut planes = LayerPlanes::new(mem, &geometry, 0).map_err(perr)?;
     be.fill_random(&mut planes.ssm, state, 1, 0.1)
@@ -388,6 +406,7 @@ enum Kind {
     Decode,
     Spec,
     Replay,
+    Prefill,
 }
 
 /// Enqueues one call of `kind` on slot set `set` (accepted counts from `acc`).
@@ -412,7 +431,7 @@ fn enqueue(
     let batch = &batches[set];
     let accepted = acc.map(|buf| IndexView { buf, len: n });
     match kind {
-        Kind::Decode | Kind::Spec => {
+        Kind::Decode | Kind::Spec | Kind::Prefill => {
             let mut out = TensorViewMut {
                 buf: out,
                 dtype: IN,
@@ -423,6 +442,7 @@ fn enqueue(
                 (Kind::Spec, Some(a)) => {
                     be.enqueue_spec_verify(batch, a, &inp, &o, &mut layer, &mut out)
                 }
+                (Kind::Prefill, _) => be.enqueue_prefill(batch, &inp, &o, &mut layer, &mut out),
                 _ => be.enqueue_decode(batch, &inp, &o, &mut layer, &mut out),
             }
         }
@@ -618,9 +638,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
         "spec" => vec![Kind::Spec],
         "replay" => vec![Kind::Replay],
         "all" => vec![Kind::Decode, Kind::Spec, Kind::Replay],
+        "prefill" => vec![Kind::Prefill],
         other => {
             return Err(usage(format!(
-                "--op: '{other}' is not accepted; expected decode, spec, replay or all"
+                "--op: '{other}' is not accepted; expected decode, spec, replay, all or prefill"
             )))
         }
     };
@@ -628,6 +649,15 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let seqs = list("seqs", &args.seqs, positive, "positive integers")?;
     let drafts = list("drafts", &args.drafts, positive, "positive integers")?;
     let spec_seqs = list("spec-seqs", &args.spec_seqs, positive, "positive integers")?;
+    let prefill_lens = list(
+        "prefill-lens",
+        &args.prefill_lens,
+        |x| {
+            let (n, l) = x.split_once('x')?;
+            Some((positive(n)?, positive(l)?))
+        },
+        "NxL with positive N (sequences) and L (tokens each), e.g. 8x4096",
+    )?;
     let states = list("states", &args.states, Dtype::parse, "fp32, fp16, bf16")?;
     let layouts = list(
         "layouts",
@@ -813,6 +843,23 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     let op = "decode-padded";
                                     b.record(op, h, n, 1, l, state, layout, sets, us, bytes)?;
                                 }
+                            }
+                        }
+                        Kind::Prefill => {
+                            for &(n, l) in &prefill_lens {
+                                // the inputs, not the states, are a prefill's bytes: two slot
+                                // sets alternate (their states are read and written once a call)
+                                let mut s = setup_sets(&be, h, n, l, 0, state, layout, 2)?;
+                                for set in 0..s.batches.len() {
+                                    enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
+                                }
+                                let (sb, sets) = (s.state_bytes(), s.batches.len());
+                                let us = b.time(&mut s, kind, None)?;
+                                b.record("prefill", h, n, l, 0, state, layout, sets, us, 2.0 * sb)?;
+                                println!(
+                                    "prefill  H={h:<3} {n} x {l} tokens: {:.2} Mtok/s",
+                                    (n * l) as f64 / us
+                                );
                             }
                         }
                         Kind::Spec => {

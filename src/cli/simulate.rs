@@ -13,6 +13,8 @@ use std::path::PathBuf;
 
 use state_pool::{sizing, Dtype, DtypeInput, ModelConfig, PoolConfig, PoolGeometry};
 
+use kda_kernels::Backend;
+
 use super::CliError;
 use crate::backends::BackendKind;
 use crate::simulate::engine::EngineConfig;
@@ -28,7 +30,7 @@ const DEFAULT_MODEL_SOURCE: &str = "configs/sim-small.json (embedded)";
 /// Arguments of `kda-pool simulate`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Backend to run on. The CUDA backend has no prefill yet, so only cpu runs.
+    /// Backend to run on (the checker recomputes each request on the CPU either way).
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
     /// Model in the project's JSON schema (default: the embedded small model).
@@ -151,11 +153,6 @@ fn check_args(args: &Args) -> Result<(), CliError> {
             }
         }
     }
-    if args.backend == BackendKind::Cuda {
-        return Err(usage(
-            "--backend cuda: the CUDA backend has no prefill yet, so it cannot run the simulation; use --backend cpu".into(),
-        ));
-    }
     Ok(())
 }
 
@@ -170,6 +167,18 @@ fn load_model(args: &Args) -> Result<ModelConfig, CliError> {
 /// Runs `kda-pool simulate`.
 pub fn run(args: Args) -> Result<(), CliError> {
     check_args(&args)?;
+    // the backend first: where CUDA is not available that is the one line printed
+    match args.backend {
+        BackendKind::Cpu => run_on(&kda_kernels::cpu::CpuBackend::new(), args),
+        BackendKind::Cuda => run_on(&crate::backends::cuda_backend()?, args),
+    }
+}
+
+/// [`run`] on `backend`.
+fn run_on<B: Backend>(backend: &B, args: Args) -> Result<(), CliError>
+where
+    B::Memory: Clone,
+{
     let io_dtype = Dtype::parse_from(&args.io_dtype, "--io-dtype")?;
     let model = load_model(&args)?;
     let ring_len = args
@@ -228,7 +237,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
     };
     let (out_thr, state_thr) = checker::thresholds(state_dtype);
     let summary = Summary {
-        backend: "cpu".into(),
+        backend: backend.name().into(),
         model: ModelSummary {
             name: model.shape.name.clone(),
             source: model.source.clone(),
@@ -251,8 +260,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         thresholds: [out_thr, state_thr],
         ..Summary::default()
     };
-    let backend = kda_kernels::cpu::CpuBackend::new();
-    let summary = simulate::run(&backend, &config, summary).map_err(|e| match e {
+    let summary = simulate::run(backend, &config, summary).map_err(|e| match e {
         SimError::Engine(e) => CliError::Failed(format!("simulate: {e}")),
         SimError::Checker(e) => CliError::Failed(format!("simulate: {e}")),
     })?;

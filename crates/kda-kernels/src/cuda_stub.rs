@@ -233,6 +233,17 @@ impl CudaBackend {
     ) -> Result<()> {
         match *self {}
     }
+    /// Prefill without host synchronisation.
+    pub fn enqueue_prefill(
+        &self,
+        _batch: &CudaBatch,
+        _inputs: &StepInputs<'_, Buf>,
+        _opts: &KdaOptions,
+        _layer: &mut LayerMut<'_, Buf>,
+        _out: &mut TensorViewMut<'_, Buf>,
+    ) -> Result<()> {
+        match *self {}
+    }
     /// Speculative verify without host synchronisation.
     pub fn enqueue_spec_verify(
         &self,

@@ -13,7 +13,8 @@ pub enum KernelError {
         /// What is wrong and what is accepted.
         msg: String,
     },
-    /// The operation is not available on this backend (yet).
+    /// The operation is not available on this backend (yet). (Every backend of this crate has
+    /// every operation today; callers such as the CLI's accuracy table still handle it.)
     #[error("{backend} backend: {op} is not supported yet")]
     Unsupported {
         /// Backend name.

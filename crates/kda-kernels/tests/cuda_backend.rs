@@ -17,11 +17,12 @@ use kda_kernels::cpu::validate::PADDED_EPOCH_STEP;
 use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
     assert_bits_eq, assert_layers_agree, assert_refused, bad_input_case, batch_plan,
-    check_padded_batch_matches_plain_batches, check_rejects_bad_input,
-    check_ring_decode_matches_eager, check_ring_rounds_once_per_commit,
-    check_spec_verify_matches_eager, download, initial_states, layer_with_states, live_output,
-    random_slots, rel_frobenius_f32, run_replay, run_tokens, twin_layers, upload, upload_bytes,
-    Case, DeviceInputs, HostInputs, TestLayer, TokenOp,
+    check_decode_matches_prefill, check_padded_batch_matches_plain_batches,
+    check_prefill_folds_the_ring_first, check_prefill_in_two_pieces_matches_one,
+    check_prefill_matches_reference, check_rejects_bad_input, check_ring_decode_matches_eager,
+    check_ring_rounds_once_per_commit, check_spec_verify_matches_eager, download, initial_states,
+    layer_with_states, live_output, random_slots, rel_frobenius_f32, run_replay, run_tokens,
+    twin_layers, upload, upload_bytes, Case, DeviceInputs, HostInputs, TestLayer, TokenOp,
 };
 use kda_kernels::{
     Backend, BatchKind, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, RingKernel,
@@ -1214,38 +1215,273 @@ fn cuda_refuses_bad_input_and_leaves_the_pool_unchanged() {
     check_rejects_bad_input(&cu, 61);
 }
 
+/// A prefill case: `lens` tokens in scattered slots of a larger pool.
+fn prefill_case(c: Case, lens: &[usize]) -> Case {
+    let slots: Vec<u32> = (0..lens.len() as u32).map(|i| 2 * i + 1).collect();
+    c.with_seqs(lens, &slots)
+}
+
 #[test]
-fn cuda_prefill_is_not_supported_yet() {
+fn cuda_prefill_matches_the_f64_recurrence_for_every_pool_dtype_layout_and_ring() {
     let Some(cu) = cuda() else { return };
-    let c = case(
-        1,
-        1,
-        16,
-        16,
-        Dtype::Fp32,
-        Dtype::Fp32,
-        StateLayout::KFirst,
-        0,
-    );
-    let mut rng = StdRng::seed_from_u64(71);
-    let init = initial_states(&c, &mut rng);
-    let mut layer = layer_with_states(&cu, &c, &init, &mut rng);
-    let inputs = HostInputs::random(&mut rng, c.dims(), c.num_tokens(), &c.opts, c.input_dtype);
-    let r = run_tokens(
-        &cu,
-        &mut layer,
+    let mut seed = 300;
+    for state in Dtype::ALL {
+        for layout in [StateLayout::KFirst, StateLayout::VFirst] {
+            for ring_len in [0, 4] {
+                seed += 1;
+                // GVA, K != V, fp32 inputs; sequences longer than a prepass chunk, of one token
+                // and of none
+                let c = prefill_case(
+                    case(2, 4, 32, 48, state, Dtype::Fp32, layout, ring_len),
+                    &[150, 1, 0, 37, 9],
+                );
+                let (eo, es) = check_prefill_matches_reference(&cu, &c, seed);
+                if state == Dtype::Fp32 {
+                    assert!(
+                        eo <= 1e-5 && es <= 1e-5,
+                        "{state} {layout:?} ring {ring_len}: errors {eo:.2e} {es:.2e}"
+                    );
+                }
+                // the production head size, bf16 inputs
+                let c = prefill_case(
+                    case(2, 2, 128, 128, state, Dtype::Bf16, layout, ring_len),
+                    &[300, 0, 5],
+                );
+                check_prefill_matches_reference(&cu, &c, seed + 1000);
+            }
+        }
+    }
+    for state in [Dtype::Fp16, Dtype::Bf16] {
+        let c = Case {
+            rounding: Rounding::Stochastic { seed: 77 },
+            ..prefill_case(
+                case(1, 3, 32, 48, state, Dtype::Fp32, StateLayout::KFirst, 0),
+                &[65, 0, 3],
+            )
+        };
+        check_prefill_matches_reference(&cu, &c, 399);
+    }
+}
+
+#[test]
+fn cuda_prefill_folds_the_ring_first_as_eager_decode_then_prefill_bit_for_bit() {
+    let Some(cu) = cuda() else { return };
+    for (ring_len, layout) in [
+        (1, StateLayout::KFirst),
+        (3, StateLayout::VFirst),
+        (5, StateLayout::KFirst),
+    ] {
+        let c = prefill_case(
+            case(2, 4, 32, 48, Dtype::Fp32, Dtype::Fp32, layout, ring_len),
+            &[40, 0, 9, 1],
+        );
+        check_prefill_folds_the_ring_first(&cu, &c, 310 + ring_len as u64);
+    }
+}
+
+#[test]
+fn cuda_prefill_after_delta_ring_decodes_matches_the_cpu_backend() {
+    let Some(cu) = cuda() else { return };
+    for state in Dtype::ALL {
+        let c = Case {
+            ring_deltas: true,
+            ..prefill_case(
+                case(3, 3, 128, 128, state, Dtype::Bf16, StateLayout::KFirst, 8),
+                &[70, 0, 2],
+            )
+        };
+        check_prefill_after_ring_decodes(&cu, &c, 320);
+    }
+}
+
+/// Ring decodes (on the GPU `kda_ring_delta` where the pool has a delta plane), a verify whose
+/// drafts are dropped, then a prefill, on both backends from the same states: outputs and
+/// states agree within the f32 arithmetic's and one rounding's difference, and the prefill
+/// leaves every ring empty (its record and its count of stored delta vectors).
+fn check_prefill_after_ring_decodes(cu: &CudaBackend, c: &Case, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let init = initial_states(c, &mut rng);
+    let mut cpu_layer: TestLayer<_> =
+        layer_with_states(&CpuBackend, c, &init, &mut StdRng::seed_from_u64(seed ^ 1));
+    let mut gpu_layer = layer_with_states(cu, c, &init, &mut StdRng::seed_from_u64(seed ^ 2));
+    let n = c.slots.len();
+    let params = HostInputs::random(&mut rng, c.dims(), 0, &c.opts, c.input_dtype);
+    let fresh = |rng: &mut StdRng, t: usize| {
+        HostInputs::random(rng, c.dims(), t, &c.opts, c.input_dtype)
+            .with_gate_params(&params.a_log, &params.dt_bias)
+    };
+    // (as compare_with_cpu: outputs rounded to 2-byte inputs may differ by one rounding step)
+    let out_tol = if c.state_dtype == Dtype::Fp32 && c.input_dtype == Dtype::Fp32 {
+        1e-5
+    } else {
+        2e-2
+    };
+    let state_tol = if c.state_dtype == Dtype::Fp32 {
+        1e-4
+    } else {
+        2e-2
+    };
+    let ones: Vec<usize> = (0..=n).collect();
+    let mut calls: Vec<(TokenOp, Vec<usize>, HostInputs)> = Vec::new();
+    for _ in 0..c.ring_len + 3 {
+        calls.push((TokenOp::Decode, ones.clone(), fresh(&mut rng, n)));
+    }
+    let drops = vec![0u32; n];
+    calls.push((
+        TokenOp::SpecVerify(&drops),
+        ones.clone(),
+        fresh(&mut rng, n),
+    ));
+    calls.push((
         TokenOp::Prefill,
-        &c.bounds(),
-        &c.slots,
-        &inputs,
-        &c.opts,
+        c.bounds(),
+        fresh(&mut rng, c.num_tokens()),
+    ));
+    for (i, (op, bounds, inputs)) in calls.iter().enumerate() {
+        let what = format!("{} call {i} ({op:?})", c.state_dtype);
+        let want = run_tokens(
+            &CpuBackend,
+            &mut cpu_layer,
+            *op,
+            bounds,
+            &c.slots,
+            inputs,
+            &c.opts,
+        )
+        .unwrap_or_else(|e| panic!("{what}: cpu: {e}"));
+        let got = run_tokens(cu, &mut gpu_layer, *op, bounds, &c.slots, inputs, &c.opts)
+            .unwrap_or_else(|e| panic!("{what}: cuda: {e}"));
+        let d = rel_frobenius_f32(&got, &want);
+        assert!(
+            d <= out_tol,
+            "{what}: outputs differ by {d:.3e} (tolerance {out_tol:.0e})"
+        );
+    }
+    let a = gpu_layer.read_states(cu.memory(), &c.slots).expect("read");
+    let b = cpu_layer
+        .read_states(CpuBackend.memory(), &c.slots)
+        .expect("read");
+    let d = rel_frobenius_f32(&a, &b);
+    assert!(
+        d <= state_tol,
+        "{}: states differ by {d:.3e} (tolerance {state_tol:.0e})",
+        c.state_dtype
     );
-    match r {
-        Err(KernelError::Unsupported {
-            backend: "cuda",
-            op: "prefill",
-        }) => {}
-        other => panic!("expected prefill to be unsupported, got {other:?}"),
+    for &s in &c.slots {
+        let m = gpu_layer.meta(cu.memory(), s).expect("meta");
+        assert_eq!(
+            (m.len, m.pending, m.cached),
+            (0, 0, 0),
+            "the prefill leaves slot {s}'s ring empty"
+        );
+    }
+}
+
+#[test]
+fn cuda_enqueued_prefills_give_the_bits_of_synchronous_prefills() {
+    // three prefills of the same slots enqueued back to back (no host read between them),
+    // against the same prefills through `Backend::prefill` on a twin layer, with a ring (its
+    // pending entries folded by the first) and without
+    let Some(cu) = cuda() else { return };
+    for (state, ring_len) in [(Dtype::Fp32, 0), (Dtype::Bf16, 3)] {
+        let c = case(
+            2,
+            4,
+            32,
+            48,
+            state,
+            Dtype::Fp32,
+            StateLayout::KFirst,
+            ring_len,
+        );
+        let mut rng = StdRng::seed_from_u64(340 + ring_len as u64);
+        let (mut queued, mut single) = twin_layers(&cu, &c, &c, &mut rng);
+        let mem = cu.memory();
+        let n = c.slots.len();
+        let params = HostInputs::random(&mut rng, c.dims(), 0, &c.opts, c.input_dtype);
+        let fresh = |rng: &mut StdRng, t: usize| {
+            HostInputs::random(rng, c.dims(), t, &c.opts, c.input_dtype)
+                .with_gate_params(&params.a_log, &params.dt_bias)
+        };
+        // pending ring entries on both twins first
+        let ones: Vec<usize> = (0..=n).collect();
+        for _ in 0..ring_len.min(2) {
+            let inp = fresh(&mut rng, n);
+            for layer in [&mut queued, &mut single] {
+                run_tokens(&cu, layer, TokenOp::Decode, &ones, &c.slots, &inp, &c.opts)
+                    .expect("ring decode");
+            }
+        }
+        let calls: Vec<(Vec<usize>, HostInputs)> = (0..3)
+            .map(|_| {
+                let lens: Vec<usize> = (0..n).map(|_| rng.random_range(0..=20)).collect();
+                let t = lens.iter().sum();
+                (kda_kernels::testing::bounds_of(&lens), fresh(&mut rng, t))
+            })
+            .collect();
+        let want: Vec<Vec<f32>> = calls
+            .iter()
+            .map(|(b, inp)| {
+                run_tokens(
+                    &cu,
+                    &mut single,
+                    TokenOp::Prefill,
+                    b,
+                    &c.slots,
+                    inp,
+                    &c.opts,
+                )
+                .expect("prefill")
+            })
+            .collect();
+        let dtype = c.input_dtype;
+        let mut outs = Vec::new();
+        let mut keep = Vec::new();
+        for (b, inp) in &calls {
+            let batch = cu
+                .prepare(batch_plan(b, &c.slots).expect("plan"))
+                .expect("prepare");
+            let dev = DeviceInputs::upload(mem, inp, &c.opts).expect("upload");
+            let len = inp.tokens * c.hv * c.v;
+            let mut o = upload(mem, &vec![f32::NAN; len], dtype).expect("poisoned output");
+            let mut out = TensorViewMut {
+                buf: &mut o,
+                dtype,
+                len,
+            };
+            cu.enqueue_prefill(&batch, &dev.view(), &c.opts, &mut queued.view(), &mut out)
+                .expect("enqueue");
+            outs.push((o, len));
+            keep.push((batch, dev));
+        }
+        cu.check_device_errors().expect("no device error");
+        for (i, ((o, len), w)) in outs.iter().zip(&want).enumerate() {
+            let got = download(mem, o, dtype, *len).expect("download");
+            assert_bits_eq(&got, w, &format!("{state}: prefill {i} outputs"));
+        }
+        assert_twins_agree(&cu, 3, &c.slots, &queued, &single);
+    }
+}
+
+#[test]
+fn cuda_prefill_equals_decode_token_by_token_and_prefill_in_two_pieces() {
+    let Some(cu) = cuda() else { return };
+    for (state, ring_len) in [(Dtype::Fp32, 0), (Dtype::Fp16, 0), (Dtype::Bf16, 4)] {
+        let c = prefill_case(
+            case(
+                2,
+                4,
+                32,
+                48,
+                state,
+                Dtype::Fp32,
+                StateLayout::KFirst,
+                ring_len,
+            ),
+            &[20, 0, 7],
+        );
+        check_decode_matches_prefill(&cu, &c, 330);
+        check_prefill_in_two_pieces_matches_one(&cu, &c, &[9, 0, 7], 331);
     }
 }
 

@@ -1,6 +1,7 @@
 //! [`CudaBackend`]: the [`Backend`] of the CUDA device, one kernel launch per operation: an
 //! eager kernel for eager decode, a ring kernel with a ring, `kda_step` where neither fits
-//! (the launch plans of `eager_plan` and `ring_plan` choose).
+//! (the launch plans of `eager_plan` and `ring_plan` choose) and for prefill, which it runs
+//! token by token.
 //!
 //! Two ways in:
 //! - the [`Backend`] methods validate everything on the host, exactly like the CPU backend:
@@ -433,6 +434,19 @@ impl CudaBackend {
         self.run(call, layer, false)
     }
 
+    /// Prefill without host synchronisation (see the module docs).
+    pub fn enqueue_prefill(
+        &self,
+        batch: &CudaBatch,
+        inputs: &StepInputs<'_, Buf>,
+        opts: &KdaOptions,
+        layer: &mut LayerMut<'_, Buf>,
+        out: &mut TensorViewMut<'_, Buf>,
+    ) -> Result<()> {
+        let call = Call::tokens(Op::Prefill, batch, None, inputs, opts, &*out);
+        self.run(call, layer, false)
+    }
+
     /// Speculative verify without host synchronisation (see the module docs).
     pub fn enqueue_spec_verify(
         &self,
@@ -572,7 +586,8 @@ impl CudaBackend {
         // a padded batch launches for its capacity, whatever its live count now (a graph
         // captured with it replays for every later one)
         let n = call.batch.capacity();
-        if n == 0 || (g.ring_len == 0 && call.op != Op::Decode) {
+        let tokens = matches!(call.op, Op::Decode | Op::Prefill);
+        if n == 0 || (g.ring_len == 0 && !tokens) {
             // Nothing can change: no sequences, or spec_verify / replay without a ring (every
             // sequence then has no tokens, no drafts and nothing pending).
             return Ok(());
@@ -580,7 +595,7 @@ impl CudaBackend {
         let may_store = if exact {
             stores
         } else {
-            g.ring_len > 0 || call.op == Op::Decode
+            g.ring_len > 0 || tokens
         };
         // bumped once the kernel is launched: a call refused on its way there (a kernel that
         // does not compile, a driver query that fails) changes nothing
@@ -627,7 +642,8 @@ impl CudaBackend {
         } else {
             None
         };
-        let ring_pipe = if ring {
+        // a prefill runs kda_step (its token loop takes sequences of any length)
+        let ring_pipe = if ring && call.op != Op::Prefill {
             let plan = call.batch.plans.launch_plan();
             let shape = RingShape {
                 k: g.k,
@@ -714,7 +730,8 @@ impl CudaBackend {
             let w = match fixed_warps {
                 Some(w) => w as usize,
                 // 2 warps per CTA measured best on the H200 for N >= 64 (docs/performance.md);
-                // 1 when that leaves fewer than two CTAs per SM.
+                // 1 when that leaves fewer than two CTAs per SM. (Eager decode's choice, taken
+                // for a prefill of an eager pool too: not measured for it.)
                 None => {
                     let w2 = warps_per_head.min(2);
                     let ctas = n * g.hv * warps_per_head.div_ceil(w2);
@@ -923,10 +940,11 @@ impl<'a, 'b> Call<'a, 'b> {
     ) -> Self {
         Self {
             op,
-            code: if op == Op::Decode {
-                OpCode::Decode
-            } else {
-                OpCode::Spec
+            code: match op {
+                Op::Decode => OpCode::Decode,
+                Op::Prefill => OpCode::Prefill,
+                Op::SpecVerify => OpCode::Spec,
+                Op::Replay => OpCode::Replay,
             },
             batch,
             accepted,
@@ -1020,8 +1038,8 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    /// Validates the call like every operation (bad input is an argument error naming it),
-    /// then reports that the CUDA prefill is not supported yet; the pool is left unchanged.
+    /// Prefill token by token on `kda_step` (the CPU backend's result up to the f32
+    /// arithmetic's order; not the chunked form, see docs/architecture.md).
     fn prefill(
         &self,
         batch: &CudaBatch,
@@ -1031,11 +1049,7 @@ impl Backend for CudaBackend {
         out: &mut TensorViewMut<'_, Buf>,
     ) -> Result<()> {
         let call = Call::tokens(Op::Prefill, batch, None, inputs, opts, &*out);
-        self.validate(&call, layer, true)?;
-        Err(KernelError::Unsupported {
-            backend: "cuda",
-            op: "prefill",
-        })
+        self.run(call, layer, true)
     }
 
     fn decode(

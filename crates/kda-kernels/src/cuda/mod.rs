@@ -7,8 +7,8 @@
 //! - `params`: the kernel parameter block;
 //! - `lanes`, `eager_plan`, `ring_plan`: the kernels' lane geometry and the launch plans (pure
 //!   functions of a call's shape: which kernel, how many warps, how much shared memory);
-//! - [`backend`]: [`CudaBackend`], the [`crate::Backend`] (decode, spec_verify, replay; prefill
-//!   is not supported yet) and its synchronisation-free `enqueue_*` variants;
+//! - [`backend`]: [`CudaBackend`], the [`crate::Backend`] (prefill token by token, decode,
+//!   spec_verify, replay) and its synchronisation-free `enqueue_*` variants;
 //! - [`timing`]: CUDA graphs, events and the copy bandwidth for benchmarks.
 
 pub mod backend;

@@ -8,6 +8,8 @@ pub(crate) enum OpCode {
     Decode = 0,
     Spec = 1,
     Replay = 2,
+    /// `kda_step` only: the pending entries folded, then every token, stored once.
+    Prefill = 3,
 }
 
 /// Error flags the kernel records in the error word (`KDA_ERR_*`).
