@@ -299,6 +299,9 @@ fn bench_geometry(
     }
 }
 
+/// A case's pool of slot sets and its inputs: `sets` disjoint sets of `n` slots (`None`:
+/// enough that their states are not served from L2, [`num_sets`]), each sequence `t` tokens.
+#[allow(clippy::too_many_arguments)]
 fn setup(
     be: &CudaBackend,
     h: usize,
@@ -307,23 +310,9 @@ fn setup(
     ring_len: usize,
     state: Dtype,
     layout: StateLayout,
+    sets: Option<usize>,
 ) -> Result<Setup, CliError> {
-    let r = num_sets(n * h * KD * KD * state.size());
-    setup_sets(be, h, n, t, ring_len, state, layout, r)
-}
-
-/// [`setup`] with `r` slot sets.
-#[allow(clippy::too_many_arguments)]
-fn setup_sets(
-    be: &CudaBackend,
-    h: usize,
-    n: usize,
-    t: usize,
-    ring_len: usize,
-    state: Dtype,
-    layout: StateLayout,
-    r: usize,
-) -> Result<Setup, CliError> {
+    let r = sets.unwrap_or_else(|| num_sets(n * h * KD * KD * state.size()));
     let mem = be.memory();
     let geometry = bench_geometry(h, r * n, ring_len, state, layout);
     let mut planes = LayerPlanes::new(mem, &geometry, 0).map_err(perr)?;
@@ -763,7 +752,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                         Kind::Decode => {
                             for &n in &seqs {
                                 // eager
-                                let mut s = setup(&be, h, n, 1, 0, state, layout)?;
+                                let mut s = setup(&be, h, n, 1, 0, state, layout, None)?;
                                 for set in 0..s.batches.len() {
                                     enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
@@ -820,7 +809,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 drop(s);
                                 // with a ring
                                 let l = args.ring;
-                                let mut s = setup(&be, h, n, 1, l, state, layout)?;
+                                let mut s = setup(&be, h, n, 1, l, state, layout, None)?;
                                 for set in 0..s.batches.len() {
                                     enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
@@ -849,7 +838,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                             for &(n, l) in &prefill_lens {
                                 // the inputs, not the states, are a prefill's bytes: two slot
                                 // sets alternate (their states are read and written once a call)
-                                let mut s = setup_sets(&be, h, n, l, 0, state, layout, 2)?;
+                                let mut s = setup(&be, h, n, l, 0, state, layout, Some(2))?;
                                 for set in 0..s.batches.len() {
                                     enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
@@ -868,7 +857,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 .flat_map(|t| spec_seqs.iter().map(move |n| (t, n)))
                             {
                                 let l = 2 * (t + 1);
-                                let mut s = setup(&be, h, n, t, l, state, layout)?;
+                                let mut s = setup(&be, h, n, t, l, state, layout, None)?;
                                 let zeros =
                                     be.memory().upload_slice(&vec![0u32; n]).map_err(perr)?;
                                 // accepted counts 1..=T, fixed (the drafts of the previous verify)
@@ -904,7 +893,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                         Kind::Replay => {
                             for &n in seqs.iter().filter(|&&n| n > 1) {
                                 let l = args.ring;
-                                let mut s = setup(&be, h, n, 0, l, state, layout)?;
+                                let mut s = setup(&be, h, n, 0, l, state, layout, None)?;
                                 // every slot's ring full of pending entries before each flush:
                                 // a graph of (reset the records, replay) minus (reset alone)
                                 let full: Vec<u32> = (0..s.geometry.total_slots())
