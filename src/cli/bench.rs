@@ -126,7 +126,7 @@ pub struct Args {
     #[arg(long, default_value_t = 32)]
     pub replays: usize,
     /// Also time eager decode with these warps per CTA, with the default kernel choice and with
-    /// the staged tile kernel (comma-separated, 1..=8; tuning).
+    /// the staged tile kernel, and prefill (`prefill-wN` rows) (comma-separated, 1..=8; tuning).
     #[arg(long)]
     pub warps: Option<String>,
     /// Also time eager decode with these pipeline stages of the pipelined kernel, for each of
@@ -843,12 +843,20 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
                                 let (sb, sets) = (s.state_bytes(), s.batches.len());
-                                let us = b.time(&mut s, kind, None)?;
-                                b.record("prefill", h, n, l, 0, state, layout, sets, us, 2.0 * sb)?;
-                                println!(
-                                    "prefill  H={h:<3} {n} x {l} tokens: {:.2} Mtok/s",
-                                    (n * l) as f64 / us
+                                // the default, then each of --warps (warps per CTA)
+                                let rows = std::iter::once(("prefill".to_string(), None)).chain(
+                                    warps.iter().map(|&w| (format!("prefill-w{w}"), Some(w))),
                                 );
+                                for (op, w) in rows {
+                                    be.set_eager_warps(w).map_err(kerr)?;
+                                    let us = b.time(&mut s, kind, None)?;
+                                    b.record(&op, h, n, l, 0, state, layout, sets, us, 2.0 * sb)?;
+                                    println!(
+                                        "{op:<8} H={h:<3} {n} x {l} tokens: {:.2} Mtok/s",
+                                        (n * l) as f64 / us
+                                    );
+                                }
+                                be.set_eager_warps(None).map_err(kerr)?;
                             }
                         }
                         Kind::Spec => {

@@ -194,7 +194,7 @@ impl CudaBackend {
     pub fn warm_up(&self, _geometries: &[PoolGeometry], _kinds: &[crate::BatchKind]) -> Result<()> {
         match *self {}
     }
-    /// Fixes the warps per CTA of eager decode.
+    /// Fixes the warps per CTA of eager decode and of prefill on eager pools.
     pub fn set_eager_warps(&self, _warps: Option<u32>) -> Result<()> {
         match *self {}
     }

@@ -350,7 +350,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Fixes the warps per CTA of eager decode (1..=8), or lets the backend choose (`None`).
+    /// Fixes the warps per CTA of eager decode and of prefill on eager pools (1..=8), or lets
+    /// the backend choose (`None`).
     pub fn set_eager_warps(&self, warps: Option<u32>) -> Result<()> {
         if let Some(w) = warps {
             if !(1..=8).contains(&w) {
@@ -727,21 +728,13 @@ impl CudaBackend {
             let w = warps_per_head.min(8);
             (g.h, g.group(), 1usize, w)
         } else {
-            let w = match fixed_warps {
-                Some(w) => w as usize,
-                // 2 warps per CTA measured best on the H200 for N >= 64 (docs/performance.md);
-                // 1 when that leaves fewer than two CTAs per SM. (Eager decode's choice, taken
-                // for a prefill of an eager pool too: not measured for it.)
-                None => {
-                    let w2 = warps_per_head.min(2);
-                    let ctas = n * g.hv * warps_per_head.div_ceil(w2);
-                    if ctas < 2 * self.num_sms as usize {
-                        1
-                    } else {
-                        w2
-                    }
-                }
-            };
+            let w = step_warps(
+                call.op,
+                warps_per_head,
+                n * g.hv,
+                self.num_sms as usize,
+                fixed_warps,
+            );
             (g.hv, 1usize, warps_per_head.div_ceil(w), w)
         };
         let items = n * units * vblocks;
@@ -836,6 +829,38 @@ impl CudaBackend {
             .map_err(|e| device_err(&format!("{} launch", kernel.name()), e))?;
         *layer.epoch = epoch;
         Ok(())
+    }
+}
+
+/// Warps per CTA of `kda_step` on an eager pool (a value head's block of columns per CTA;
+/// `warps_per_head` warps cover a head), unless fixed (`CudaBackend::set_eager_warps`). Decode:
+/// 2, measured best on the H200 for N >= 64 (docs/performance.md), or 1 where that leaves
+/// fewer than two CTAs per SM (`heads` value heads, `num_sms` SMs). Prefill: 4 (or fewer where
+/// fewer cover the head). A prefill CTA steps token after token, each chunk's tokens activated
+/// first by its warps, one token per warp at a time: one or two warps activate a chunk's eight
+/// tokens one after another (and every column block repeats that), while eight warps on an SM
+/// share its four schedulers, two warps to each, in the token steps, which issue about as many
+/// instructions as they wait. Four is one warp per scheduler and two tokens per warp. Reasoned,
+/// not measured yet (docs/performance.md, fifty-fourth session; `bench --op prefill --warps`
+/// times the others).
+fn step_warps(
+    op: Op,
+    warps_per_head: usize,
+    heads: usize,
+    num_sms: usize,
+    fixed: Option<u32>,
+) -> usize {
+    if let Some(w) = fixed {
+        return w as usize;
+    }
+    if op == Op::Prefill {
+        return warps_per_head.min(4);
+    }
+    let w2 = warps_per_head.min(2);
+    if heads * warps_per_head.div_ceil(w2) < 2 * num_sms {
+        1
+    } else {
+        w2
     }
 }
 
@@ -1094,6 +1119,21 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_warps_are_four_for_prefill_and_one_or_two_for_decode() {
+        // K = V = 128: eight warps of 16 columns cover a head; 132 SMs
+        assert_eq!(step_warps(Op::Prefill, 8, 12, 132, None), 4);
+        assert_eq!(step_warps(Op::Prefill, 8, 4096, 132, None), 4);
+        assert_eq!(step_warps(Op::Prefill, 3, 12, 132, None), 3);
+        // decode: 2 where that leaves two CTAs per SM (64 x 12 heads: 3072 CTAs), else 1
+        assert_eq!(step_warps(Op::Decode, 8, 768, 132, None), 2);
+        assert_eq!(step_warps(Op::Decode, 8, 12, 132, None), 1);
+        assert_eq!(step_warps(Op::Decode, 1, 768, 132, None), 1);
+        for op in [Op::Prefill, Op::Decode] {
+            assert_eq!(step_warps(op, 8, 12, 132, Some(4)), 4, "{op:?}: fixed");
+        }
+    }
 
     #[test]
     fn dependent_launch_is_for_decode_and_small_ring_spec_calls_on_sm90_unless_chosen() {
