@@ -22,7 +22,8 @@ use kda_kernels::testing::{
     check_prefill_matches_reference, check_rejects_bad_input, check_ring_decode_matches_eager,
     check_ring_rounds_once_per_commit, check_spec_verify_matches_eager, download, initial_states,
     layer_with_states, live_output, random_slots, rel_frobenius_f32, run_replay, run_tokens,
-    twin_layers, upload, upload_bytes, Case, DeviceInputs, HostInputs, TestLayer, TokenOp,
+    twin_layers, upload, upload_bytes, Case, DeviceInputs, HostInputs, PaddedOp, TestLayer,
+    TokenOp,
 };
 use kda_kernels::{
     Backend, BatchKind, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, RingKernel,
@@ -1903,16 +1904,18 @@ fn cuda_a_padded_batch_computes_its_live_sequences_as_plain_batches_do() {
     let stochastic = Rounding::Stochastic {
         seed: 0x5eed_0000_0052,
     };
-    // (state, rounding, ring, tokens per sequence, spec)
+    // (state, rounding, ring, tokens per sequence, operation)
     let shapes = [
-        (Dtype::Fp32, Rounding::Nearest, 0, 1, false),
-        (Dtype::Bf16, Rounding::Nearest, 0, 1, false),
-        (Dtype::Fp16, stochastic, 0, 1, false),
-        (Dtype::Fp16, Rounding::Nearest, 8, 1, false),
-        (Dtype::Fp16, Rounding::Nearest, 6, 2, true),
-        (Dtype::Fp32, Rounding::Nearest, 6, 2, true),
+        (Dtype::Fp32, Rounding::Nearest, 0, 1, PaddedOp::Decode),
+        (Dtype::Bf16, Rounding::Nearest, 0, 1, PaddedOp::Decode),
+        (Dtype::Fp16, stochastic, 0, 1, PaddedOp::Decode),
+        (Dtype::Fp16, Rounding::Nearest, 8, 1, PaddedOp::Decode),
+        (Dtype::Fp16, Rounding::Nearest, 6, 2, PaddedOp::SpecVerify),
+        (Dtype::Fp32, Rounding::Nearest, 6, 2, PaddedOp::SpecVerify),
+        (Dtype::Bf16, stochastic, 0, 9, PaddedOp::Prefill),
+        (Dtype::Fp32, Rounding::Nearest, 4, 5, PaddedOp::Prefill),
     ];
-    for (i, (state, rounding, ring_len, t, spec)) in shapes.into_iter().enumerate() {
+    for (i, (state, rounding, ring_len, t, op)) in shapes.into_iter().enumerate() {
         let c = Case {
             ring_len,
             ..eager_case(state, StateLayout::KFirst, rounding, &every)
@@ -1922,7 +1925,7 @@ fn cuda_a_padded_batch_computes_its_live_sequences_as_plain_batches_do() {
             &c,
             8,
             t,
-            spec,
+            op,
             &LIVE_STEPS,
             0x5eed_0000_0000_0052 + i as u64,
         );

@@ -3,7 +3,7 @@
 //! nothing of the padding; bad updates and pools too small for the batch are refused. The GPU
 //! tests run the same body on the CUDA backend.
 
-use kda_kernels::testing::{check_padded_batch_matches_plain_batches, Case};
+use kda_kernels::testing::{check_padded_batch_matches_plain_batches, Case, PaddedOp};
 use kda_kernels::CpuBackend;
 use state_pool::{Dtype, Rounding};
 
@@ -41,7 +41,7 @@ fn a_padded_decode_computes_its_live_sequences_as_a_plain_batch_does() {
             &c,
             6,
             1,
-            false,
+            PaddedOp::Decode,
             &LIVES,
             51 + i as u64,
         );
@@ -57,9 +57,33 @@ fn a_padded_spec_verify_computes_its_live_sequences_as_a_plain_batch_does() {
             &c,
             6,
             2,
-            true,
+            PaddedOp::SpecVerify,
             &LIVES,
             61 + i as u64,
+        );
+    }
+}
+
+#[test]
+fn a_padded_prefill_computes_its_live_sequences_as_a_plain_batch_does() {
+    let stochastic = Rounding::Stochastic { seed: 71 };
+    for (i, (state, ring_len, rounding)) in [
+        (Dtype::Fp32, 0, Rounding::Nearest),
+        (Dtype::Bf16, 0, stochastic),
+        (Dtype::Fp16, 4, Rounding::Nearest),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c = case(state, Dtype::Bf16, ring_len, rounding);
+        check_padded_batch_matches_plain_batches(
+            &CpuBackend,
+            &c,
+            6,
+            5,
+            PaddedOp::Prefill,
+            &LIVES,
+            71 + i as u64,
         );
     }
 }

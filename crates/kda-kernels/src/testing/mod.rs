@@ -33,4 +33,5 @@ pub use layer::{
 };
 pub use padded::{
     assert_layers_agree, check_padded_batch_matches_plain_batches, live_output, random_slots,
+    PaddedOp,
 };

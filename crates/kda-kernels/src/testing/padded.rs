@@ -49,12 +49,23 @@ pub fn assert_layers_agree<B: Backend>(
     }
 }
 
+/// The operation [`check_padded_batch_matches_plain_batches`] runs through a padded batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PaddedOp {
+    /// [`Backend::decode`] (one token per sequence).
+    Decode,
+    /// [`Backend::spec_verify`], the accepted drafts drawn per slot.
+    SpecVerify,
+    /// [`Backend::prefill`].
+    Prefill,
+}
+
 /// A padded batch of `cap` sequences of `t` tokens against plain batches of its live
 /// sequences, step by step on twin layers of `case`'s geometry (its pool's slots all hold
 /// random states): each step draws the live count from `lives`, that many distinct random
-/// slots and fresh inputs for the padded size, updates the batch, and runs decode (`t` = 1
-/// and `spec` false) or spec_verify (`t` tokens, accepted drafts drawn per slot) through it on
-/// one twin and through a plain batch of the live sequences and their tokens on the other.
+/// slots and fresh inputs for the padded size, updates the batch, and runs `op` (decode: `t` =
+/// 1; spec_verify: `t` tokens, accepted drafts drawn per slot; prefill: `t` tokens) through it
+/// on one twin and through a plain batch of the live sequences and their tokens on the other.
 /// Asserts the live outputs equal bit for bit, the padding's outputs untouched (still the
 /// poison), and every slot's state, ring record and ring entries equal. With stochastic
 /// rounding the plain call rounds at the epoch the padded one drew from (its layer's plus the
@@ -66,10 +77,11 @@ pub fn check_padded_batch_matches_plain_batches<B: Backend>(
     case: &Case,
     cap: usize,
     t: usize,
-    spec: bool,
+    op: PaddedOp,
     lives: &[usize],
     seed: u64,
 ) {
+    let spec = op == PaddedOp::SpecVerify;
     let mem = be.memory();
     let g = case.geometry();
     let pool = g.total_slots();
@@ -113,23 +125,11 @@ pub fn check_padded_batch_matches_plain_batches<B: Backend>(
             len: cap,
         };
         let epoch_before = padded.epoch();
-        let r = if spec {
-            be.spec_verify(
-                &batch,
-                &accepted,
-                &dev.view(),
-                &case.opts,
-                &mut padded.view(),
-                &mut out,
-            )
-        } else {
-            be.decode(
-                &batch,
-                &dev.view(),
-                &case.opts,
-                &mut padded.view(),
-                &mut out,
-            )
+        let (inp, opts, layer) = (&dev.view(), &case.opts, &mut padded.view());
+        let r = match op {
+            PaddedOp::SpecVerify => be.spec_verify(&batch, &accepted, inp, opts, layer, &mut out),
+            PaddedOp::Decode => be.decode(&batch, inp, opts, layer, &mut out),
+            PaddedOp::Prefill => be.prefill(&batch, inp, opts, layer, &mut out),
         };
         r.unwrap_or_else(|e| panic!("{what}: the padded call: {e}"));
         let got = live_output(
@@ -145,10 +145,10 @@ pub fn check_padded_batch_matches_plain_batches<B: Backend>(
             let offset = (step as u32 + 1).wrapping_mul(PADDED_EPOCH_STEP);
             *plain.view().epoch = u64::from((epoch_before as u32).wrapping_add(offset));
             let tokens: Vec<usize> = (0..live * t).collect();
-            let op = if spec {
-                TokenOp::SpecVerify(&acc[..live])
-            } else {
-                TokenOp::Decode
+            let op = match op {
+                PaddedOp::SpecVerify => TokenOp::SpecVerify(&acc[..live]),
+                PaddedOp::Decode => TokenOp::Decode,
+                PaddedOp::Prefill => TokenOp::Prefill,
             };
             let want = run_tokens(
                 be,
