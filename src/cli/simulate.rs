@@ -11,9 +11,8 @@
 
 use std::path::PathBuf;
 
-use state_pool::{sizing, Dtype, DtypeInput, ModelConfig, PoolConfig, PoolGeometry};
-
 use kda_kernels::Backend;
+use state_pool::{sizing, Dtype, DtypeInput, ModelConfig, PoolConfig, PoolGeometry};
 
 use super::CliError;
 use crate::backends::BackendKind;
