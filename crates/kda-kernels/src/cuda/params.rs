@@ -127,7 +127,50 @@ unsafe impl cudarc::driver::DeviceRepr for KdaParams {}
 
 #[cfg(test)]
 mod tests {
-    use super::FastDiv;
+    use super::*;
+
+    /// The value of the integer constant `name` in the kernel source `src` (`#define NAME 3u`
+    /// or `constexpr kda_u32 NAME = 3u;`).
+    fn kernel_constant(src: &str, name: &str) -> u32 {
+        let line = src
+            .lines()
+            .find(|l| {
+                let l = l.trim_start();
+                l.starts_with(&format!("#define {name} "))
+                    || (l.starts_with("constexpr") && l.contains(&format!(" {name} = ")))
+            })
+            .unwrap_or_else(|| panic!("{name} is not defined in the kernel source"));
+        let value = line
+            .split(['=', ' ', ';'])
+            .filter(|t| !t.is_empty())
+            .skip_while(|t| *t != name)
+            .nth(1)
+            .unwrap_or_else(|| panic!("no value in {line:?}"));
+        let digits = value.trim_end_matches(['u', 'U']);
+        match digits.strip_prefix("0x") {
+            Some(hex) => u32::from_str_radix(hex, 16),
+            None => digits.parse(),
+        }
+        .unwrap_or_else(|e| panic!("{name}: {value:?} is not a number ({e})"))
+    }
+
+    #[test]
+    fn op_codes_error_flags_and_the_slot_once_mode_are_the_kernels_constants() {
+        let src = include_str!("../../../../kernels/kda_decode.cu");
+        for (name, value) in [
+            ("KDA_OP_DECODE", OpCode::Decode as u32),
+            ("KDA_OP_SPEC", OpCode::Spec as u32),
+            ("KDA_OP_REPLAY", OpCode::Replay as u32),
+            ("KDA_OP_PREFILL", OpCode::Prefill as u32),
+            ("KDA_ERR_ACCEPTED", ERR_ACCEPTED),
+            ("KDA_ERR_DECODE_DRAFTS", ERR_DECODE_DRAFTS),
+            ("KDA_ERR_META", ERR_META),
+            ("KDA_NONE", NO_SLOT),
+            ("EARLY_SLOT_ONCE", EARLY_SLOT_ONCE),
+        ] {
+            assert_eq!(kernel_constant(src, name), value, "{name}");
+        }
+    }
 
     #[test]
     fn fast_division_equals_integer_division() {
