@@ -762,40 +762,6 @@ __device__ __forceinline__ bool padding_cta(const KdaParams& p) {
     return padded_call(p) && kda_div(blockIdx.x, p.div_seq) >= live_seqs(p);
 }
 
-// A hint to L2 for what the prepass of tokens [t0, t0 + tc) of the combined sequence (pending
-// ring entries, then new tokens) of value head hv (q/k head h) reads: one warp per row, issued
-// by kda_step a chunk ahead of a long sequence's prepass, so that its loads do not wait on
-// DRAM. No wait, no register.
-__device__ __forceinline__ void prefetch_chunk(const KdaParams& p, const Plan& pl, kda_u32 slot, kda_u32 bos,
-                                               int hv, int h, int t0, int tc) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    const size_t entry = ring_entry_elems(p);
-    for (int sg = warp; sg < 5 * tc; sg += nwarps) {
-        const kda_u32 tt = (kda_u32)(t0 + sg / 5);
-        const int part = sg % 5;
-        const IT* ptr;
-        size_t len;
-        if (tt < pl.pend) {
-            if (part == 4) continue; // (a ring entry has no query)
-            const IT* e = reinterpret_cast<const IT*>(p.ring) + ((size_t)slot * p.ring_len + tt) * entry;
-            ptr = part == 0 ? e + (size_t)h * K
-                  : part == 1 ? e + ring_off_v(p, (size_t)hv)
-                  : part == 2 ? e + ring_off_g(p, (size_t)hv)
-                              : e + ring_off_beta(p, (size_t)hv);
-            len = part == 1 ? V : part == 3 ? 1 : K;
-        } else {
-            const size_t tok = bos + (tt - pl.pend);
-            ptr = part == 0   ? reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K
-                  : part == 1 ? reinterpret_cast<const IT*>(p.v) + (tok * p.hv + hv) * V
-                  : part == 2 ? reinterpret_cast<const IT*>(p.g) + (tok * p.hv + hv) * K
-                  : part == 3 ? reinterpret_cast<const IT*>(p.beta) + tok * p.hv + hv
-                              : reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K;
-            len = part == 1 ? V : part == 3 ? 1 : K;
-        }
-        prefetch_range(ptr, len * sizeof(IT), lane);
-    }
-}
-
 // A hint to L2 for what the first prepass of a CTA reads: the unit's rows (key of its q/k head,
 // values, gates and betas of its value heads) of ring entries 0..min(ring_len, TC), and the first
 // TC new tokens' inputs. One warp per row; no wait, no register.
@@ -916,8 +882,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_step(const KdaParams p)
                     __syncthreads();
                     prepass(sm, p, pl, slot, bos, hv, h, t0, tc, cbeg, cend, a_exp);
                     __syncthreads();
-                    // a long sequence (prefill): the next chunk's rows into L2 while this one steps
-                    if (t0 + TC < ntok) prefetch_chunk(p, pl, slot, bos, hv, h, t0 + TC, min(TC, ntok - t0 - TC));
                     for (int t = 0; t < tc; ++t) {
                         const kda_u32 tt = (kda_u32)(t0 + t);
                         const bool fresh = tt >= pl.pend;
