@@ -471,19 +471,20 @@ __device__ __forceinline__ void act_row(const IT* src, float* dst, bool l2, bool
     act_finish<FAST, PAD>(x, dst, l2, scaled, scale, lane);
 }
 
-// The decay exp(g) of a raw gate; *bias (its dt_bias) is read only when the gate is not
-// already activated. FAST: from the approximate exp and log (softplus's: about a_exp x 2e-7
+// The log-decay g of a raw gate; *bias (its dt_bias) is read only when the gate is not
+// already activated. FAST: from the approximate exp and log (softplus's).
+template <bool FAST = false>
+__device__ __forceinline__ float log_decay_at(float raw, const float* bias, const KdaParams& p, float a_exp) {
+    if (p.gate_mode == 1u) return -a_exp * softplus<FAST>(raw + *bias);
+    if (p.gate_mode == 2u) return p.lower_bound * sigmoid<FAST>(a_exp * (raw + *bias));
+    return raw;
+}
+
+// The decay exp(g) of a raw gate. FAST: from the approximate exp and log (about a_exp x 2e-7
 // relative; not the CPU backend's bits).
 template <bool FAST = false>
 __device__ __forceinline__ float decay_at(float raw, const float* bias, const KdaParams& p, float a_exp) {
-    float lg;
-    if (p.gate_mode == 1u) {
-        lg = -a_exp * softplus<FAST>(raw + *bias);
-    } else if (p.gate_mode == 2u) {
-        lg = p.lower_bound * sigmoid<FAST>(a_exp * (raw + *bias));
-    } else {
-        lg = raw;
-    }
+    const float lg = log_decay_at<FAST>(raw, bias, p, a_exp);
     return FAST ? __expf(lg) : expf(lg);
 }
 

@@ -31,7 +31,7 @@ variants=("float float 0" "kda_half kda_bf16 0" "kda_bf16 kda_bf16 0" "float flo
 build() {
     local rev=$1 out=$2 src="$2/src"
     mkdir -p "$src"
-    for f in kda_compat.cuh kda_common.cuh kda_decode.cu kda_ring.cu kda_ring_mma.cu kda_ring_delta.cu; do
+    for f in kda_compat.cuh kda_common.cuh kda_decode.cu kda_ring.cu kda_ring_mma.cu kda_ring_delta.cu kda_chunk.cu; do
         if [ -z "$rev" ]; then
             cp "kernels/$f" "$src/$f" 2>/dev/null || : >"$src/$f"
         else

@@ -79,3 +79,17 @@ pub enum RingKernel {
     /// (`kda_step`).
     Step,
 }
+
+/// The prefill kernels of the CUDA backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// `kda_step`: every token of a sequence after the other, decode's token step (the default
+    /// until the chunked kernels are measured on the device).
+    Steps,
+    /// `kda_chunk_prep` then `kda_chunk_state` (spec section 3): chunks of 64 tokens prepared
+    /// all at once, then the state carried from chunk to chunk. Plain batches of heads with
+    /// `K % 4 == 0` and `V % 8 == 0` whose preparation fits shared memory (K = V = 128 does);
+    /// other calls run `Steps`. Not the bits of `Steps` (fp32 states within about 1e-6,
+    /// 2-byte ones within one rounding step of them).
+    Chunked,
+}

@@ -7,7 +7,7 @@ use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry};
 use crate::api::{
     Backend, BatchPlan, IndexView, KdaOptions, StepInputs, TensorView, TensorViewMut,
 };
-use crate::choice::{EagerKernel, RingKernel};
+use crate::choice::{EagerKernel, PrefillKernel, RingKernel};
 use crate::error::{KernelError, Result};
 
 /// Stand-in for the CUDA backend (uninhabited: [`CudaBackend::new`] always fails).
@@ -204,6 +204,14 @@ impl CudaBackend {
     }
     /// Chooses the kernel of calls with a ring (`None`: per call, from its shape).
     pub fn set_ring_kernel(&self, _kernel: Option<RingKernel>) -> Result<()> {
+        match *self {}
+    }
+    /// Chooses the prefill kernel (`None`: token by token).
+    pub fn set_prefill_kernel(&self, _kernel: Option<PrefillKernel>) -> Result<()> {
+        match *self {}
+    }
+    /// Bounds the chunked prefill's scratch, bytes.
+    pub fn set_prefill_scratch_bytes(&self, _bytes: usize) -> Result<()> {
         match *self {}
     }
     /// Chooses whether the kernels launch as programmatic dependent launches.

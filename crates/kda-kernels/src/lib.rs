@@ -24,7 +24,7 @@ pub use api::{
     Backend, BatchKind, BatchPlan, BetaMode, CuSeqlens, GateMode, IndexView, KdaOptions,
     StepInputs, TensorView, TensorViewMut,
 };
-pub use choice::{EagerKernel, RingKernel};
+pub use choice::{EagerKernel, PrefillKernel, RingKernel};
 pub use cpu::CpuBackend;
 pub use error::{KernelError, Result};
 pub use precompile::{precompile, GpuArch, PrecompiledModule};

@@ -26,8 +26,8 @@ use kda_kernels::testing::{
     TokenOp,
 };
 use kda_kernels::{
-    Backend, BatchKind, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, RingKernel,
-    TensorViewMut,
+    Backend, BatchKind, CpuBackend, EagerKernel, GateMode, IndexView, KernelError, PrefillKernel,
+    RingKernel, TensorViewMut,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -1216,6 +1216,9 @@ fn cuda_refuses_bad_input_and_leaves_the_pool_unchanged() {
     check_rejects_bad_input(&cu, 61);
 }
 
+/// The prefill kernels every GPU prefill test runs with.
+const PREFILL_KERNELS: [PrefillKernel; 2] = [PrefillKernel::Steps, PrefillKernel::Chunked];
+
 /// A prefill case: `lens` tokens in scattered slots of a larger pool.
 fn prefill_case(c: Case, lens: &[usize]) -> Case {
     let slots: Vec<u32> = (0..lens.len() as u32).map(|i| 2 * i + 1).collect();
@@ -1225,73 +1228,85 @@ fn prefill_case(c: Case, lens: &[usize]) -> Case {
 #[test]
 fn cuda_prefill_matches_the_f64_recurrence_for_every_pool_dtype_layout_and_ring() {
     let Some(cu) = cuda() else { return };
-    let mut seed = 300;
-    for state in Dtype::ALL {
-        for layout in [StateLayout::KFirst, StateLayout::VFirst] {
-            for ring_len in [0, 4] {
-                seed += 1;
-                // GVA, K != V, fp32 inputs; sequences longer than a prepass chunk, of one token
-                // and of none
-                let c = prefill_case(
-                    case(2, 4, 32, 48, state, Dtype::Fp32, layout, ring_len),
-                    &[150, 1, 0, 37, 9],
-                );
-                let (eo, es) = check_prefill_matches_reference(&cu, &c, seed);
-                if state == Dtype::Fp32 {
-                    assert!(
-                        eo <= 1e-5 && es <= 1e-5,
-                        "{state} {layout:?} ring {ring_len}: errors {eo:.2e} {es:.2e}"
+    for pk in PREFILL_KERNELS {
+        eprintln!("prefill kernel {pk:?}");
+        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+        let mut seed = 300;
+        for state in Dtype::ALL {
+            for layout in [StateLayout::KFirst, StateLayout::VFirst] {
+                for ring_len in [0, 4] {
+                    seed += 1;
+                    // GVA, K != V, fp32 inputs; sequences longer than a prepass chunk, of one token
+                    // and of none
+                    let c = prefill_case(
+                        case(2, 4, 32, 48, state, Dtype::Fp32, layout, ring_len),
+                        &[150, 1, 0, 37, 9],
                     );
+                    let (eo, es) = check_prefill_matches_reference(&cu, &c, seed);
+                    if state == Dtype::Fp32 {
+                        assert!(
+                            eo <= 1e-5 && es <= 1e-5,
+                            "{state} {layout:?} ring {ring_len}: errors {eo:.2e} {es:.2e}"
+                        );
+                    }
+                    // the production head size, bf16 inputs
+                    let c = prefill_case(
+                        case(2, 2, 128, 128, state, Dtype::Bf16, layout, ring_len),
+                        &[300, 0, 5],
+                    );
+                    check_prefill_matches_reference(&cu, &c, seed + 1000);
                 }
-                // the production head size, bf16 inputs
-                let c = prefill_case(
-                    case(2, 2, 128, 128, state, Dtype::Bf16, layout, ring_len),
-                    &[300, 0, 5],
-                );
-                check_prefill_matches_reference(&cu, &c, seed + 1000);
             }
         }
-    }
-    for state in [Dtype::Fp16, Dtype::Bf16] {
-        let c = Case {
-            rounding: Rounding::Stochastic { seed: 77 },
-            ..prefill_case(
-                case(1, 3, 32, 48, state, Dtype::Fp32, StateLayout::KFirst, 0),
-                &[65, 0, 3],
-            )
-        };
-        check_prefill_matches_reference(&cu, &c, 399);
+        for state in [Dtype::Fp16, Dtype::Bf16] {
+            let c = Case {
+                rounding: Rounding::Stochastic { seed: 77 },
+                ..prefill_case(
+                    case(1, 3, 32, 48, state, Dtype::Fp32, StateLayout::KFirst, 0),
+                    &[65, 0, 3],
+                )
+            };
+            check_prefill_matches_reference(&cu, &c, 399);
+        }
     }
 }
 
 #[test]
 fn cuda_prefill_folds_the_ring_first_as_eager_decode_then_prefill_bit_for_bit() {
     let Some(cu) = cuda() else { return };
-    for (ring_len, layout) in [
-        (1, StateLayout::KFirst),
-        (3, StateLayout::VFirst),
-        (5, StateLayout::KFirst),
-    ] {
-        let c = prefill_case(
-            case(2, 4, 32, 48, Dtype::Fp32, Dtype::Fp32, layout, ring_len),
-            &[40, 0, 9, 1],
-        );
-        check_prefill_folds_the_ring_first(&cu, &c, 310 + ring_len as u64);
+    for pk in PREFILL_KERNELS {
+        eprintln!("prefill kernel {pk:?}");
+        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+        for (ring_len, layout) in [
+            (1, StateLayout::KFirst),
+            (3, StateLayout::VFirst),
+            (5, StateLayout::KFirst),
+        ] {
+            let c = prefill_case(
+                case(2, 4, 32, 48, Dtype::Fp32, Dtype::Fp32, layout, ring_len),
+                &[40, 0, 9, 1],
+            );
+            check_prefill_folds_the_ring_first(&cu, &c, 310 + ring_len as u64);
+        }
     }
 }
 
 #[test]
 fn cuda_prefill_after_delta_ring_decodes_matches_the_cpu_backend() {
     let Some(cu) = cuda() else { return };
-    for state in Dtype::ALL {
-        let c = Case {
-            ring_deltas: true,
-            ..prefill_case(
-                case(3, 3, 128, 128, state, Dtype::Bf16, StateLayout::KFirst, 8),
-                &[70, 0, 2],
-            )
-        };
-        check_prefill_after_ring_decodes(&cu, &c, 320);
+    for pk in PREFILL_KERNELS {
+        eprintln!("prefill kernel {pk:?}");
+        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+        for state in Dtype::ALL {
+            let c = Case {
+                ring_deltas: true,
+                ..prefill_case(
+                    case(3, 3, 128, 128, state, Dtype::Bf16, StateLayout::KFirst, 8),
+                    &[70, 0, 2],
+                )
+            };
+            check_prefill_after_ring_decodes(&cu, &c, 320);
+        }
     }
 }
 
@@ -1384,92 +1399,11 @@ fn cuda_enqueued_prefills_give_the_bits_of_synchronous_prefills() {
     // against the same prefills through `Backend::prefill` on a twin layer, with a ring (its
     // pending entries folded by the first) and without
     let Some(cu) = cuda() else { return };
-    for (state, ring_len) in [(Dtype::Fp32, 0), (Dtype::Bf16, 3)] {
-        let c = case(
-            2,
-            4,
-            32,
-            48,
-            state,
-            Dtype::Fp32,
-            StateLayout::KFirst,
-            ring_len,
-        );
-        let mut rng = StdRng::seed_from_u64(340 + ring_len as u64);
-        let (mut queued, mut single) = twin_layers(&cu, &c, &c, &mut rng);
-        let mem = cu.memory();
-        let n = c.slots.len();
-        let params = HostInputs::random(&mut rng, c.dims(), 0, &c.opts, c.input_dtype);
-        let fresh = |rng: &mut StdRng, t: usize| {
-            HostInputs::random(rng, c.dims(), t, &c.opts, c.input_dtype)
-                .with_gate_params(&params.a_log, &params.dt_bias)
-        };
-        // pending ring entries on both twins first
-        let ones: Vec<usize> = (0..=n).collect();
-        for _ in 0..ring_len.min(2) {
-            let inp = fresh(&mut rng, n);
-            for layer in [&mut queued, &mut single] {
-                run_tokens(&cu, layer, TokenOp::Decode, &ones, &c.slots, &inp, &c.opts)
-                    .expect("ring decode");
-            }
-        }
-        let calls: Vec<(Vec<usize>, HostInputs)> = (0..3)
-            .map(|_| {
-                let lens: Vec<usize> = (0..n).map(|_| rng.random_range(0..=20)).collect();
-                let t = lens.iter().sum();
-                (kda_kernels::testing::bounds_of(&lens), fresh(&mut rng, t))
-            })
-            .collect();
-        let want: Vec<Vec<f32>> = calls
-            .iter()
-            .map(|(b, inp)| {
-                run_tokens(
-                    &cu,
-                    &mut single,
-                    TokenOp::Prefill,
-                    b,
-                    &c.slots,
-                    inp,
-                    &c.opts,
-                )
-                .expect("prefill")
-            })
-            .collect();
-        let dtype = c.input_dtype;
-        let mut outs = Vec::new();
-        let mut keep = Vec::new();
-        for (b, inp) in &calls {
-            let batch = cu
-                .prepare(batch_plan(b, &c.slots).expect("plan"))
-                .expect("prepare");
-            let dev = DeviceInputs::upload(mem, inp, &c.opts).expect("upload");
-            let len = inp.tokens * c.hv * c.v;
-            let mut o = upload(mem, &vec![f32::NAN; len], dtype).expect("poisoned output");
-            let mut out = TensorViewMut {
-                buf: &mut o,
-                dtype,
-                len,
-            };
-            cu.enqueue_prefill(&batch, &dev.view(), &c.opts, &mut queued.view(), &mut out)
-                .expect("enqueue");
-            outs.push((o, len));
-            keep.push((batch, dev));
-        }
-        cu.check_device_errors().expect("no device error");
-        for (i, ((o, len), w)) in outs.iter().zip(&want).enumerate() {
-            let got = download(mem, o, dtype, *len).expect("download");
-            assert_bits_eq(&got, w, &format!("{state}: prefill {i} outputs"));
-        }
-        assert_twins_agree(&cu, 3, &c.slots, &queued, &single);
-    }
-}
-
-#[test]
-fn cuda_prefill_equals_decode_token_by_token_and_prefill_in_two_pieces() {
-    let Some(cu) = cuda() else { return };
-    for (state, ring_len) in [(Dtype::Fp32, 0), (Dtype::Fp16, 0), (Dtype::Bf16, 4)] {
-        let c = prefill_case(
-            case(
+    for pk in PREFILL_KERNELS {
+        eprintln!("prefill kernel {pk:?}");
+        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+        for (state, ring_len) in [(Dtype::Fp32, 0), (Dtype::Bf16, 3)] {
+            let c = case(
                 2,
                 4,
                 32,
@@ -1478,11 +1412,158 @@ fn cuda_prefill_equals_decode_token_by_token_and_prefill_in_two_pieces() {
                 Dtype::Fp32,
                 StateLayout::KFirst,
                 ring_len,
-            ),
-            &[20, 0, 7],
+            );
+            let mut rng = StdRng::seed_from_u64(340 + ring_len as u64);
+            let (mut queued, mut single) = twin_layers(&cu, &c, &c, &mut rng);
+            let mem = cu.memory();
+            let n = c.slots.len();
+            let params = HostInputs::random(&mut rng, c.dims(), 0, &c.opts, c.input_dtype);
+            let fresh = |rng: &mut StdRng, t: usize| {
+                HostInputs::random(rng, c.dims(), t, &c.opts, c.input_dtype)
+                    .with_gate_params(&params.a_log, &params.dt_bias)
+            };
+            // pending ring entries on both twins first
+            let ones: Vec<usize> = (0..=n).collect();
+            for _ in 0..ring_len.min(2) {
+                let inp = fresh(&mut rng, n);
+                for layer in [&mut queued, &mut single] {
+                    run_tokens(&cu, layer, TokenOp::Decode, &ones, &c.slots, &inp, &c.opts)
+                        .expect("ring decode");
+                }
+            }
+            let calls: Vec<(Vec<usize>, HostInputs)> = (0..3)
+                .map(|_| {
+                    let lens: Vec<usize> = (0..n).map(|_| rng.random_range(0..=20)).collect();
+                    let t = lens.iter().sum();
+                    (kda_kernels::testing::bounds_of(&lens), fresh(&mut rng, t))
+                })
+                .collect();
+            let want: Vec<Vec<f32>> = calls
+                .iter()
+                .map(|(b, inp)| {
+                    run_tokens(
+                        &cu,
+                        &mut single,
+                        TokenOp::Prefill,
+                        b,
+                        &c.slots,
+                        inp,
+                        &c.opts,
+                    )
+                    .expect("prefill")
+                })
+                .collect();
+            let dtype = c.input_dtype;
+            let mut outs = Vec::new();
+            let mut keep = Vec::new();
+            for (b, inp) in &calls {
+                let batch = cu
+                    .prepare(batch_plan(b, &c.slots).expect("plan"))
+                    .expect("prepare");
+                let dev = DeviceInputs::upload(mem, inp, &c.opts).expect("upload");
+                let len = inp.tokens * c.hv * c.v;
+                let mut o = upload(mem, &vec![f32::NAN; len], dtype).expect("poisoned output");
+                let mut out = TensorViewMut {
+                    buf: &mut o,
+                    dtype,
+                    len,
+                };
+                cu.enqueue_prefill(&batch, &dev.view(), &c.opts, &mut queued.view(), &mut out)
+                    .expect("enqueue");
+                outs.push((o, len));
+                keep.push((batch, dev));
+            }
+            cu.check_device_errors().expect("no device error");
+            for (i, ((o, len), w)) in outs.iter().zip(&want).enumerate() {
+                let got = download(mem, o, dtype, *len).expect("download");
+                assert_bits_eq(&got, w, &format!("{state}: prefill {i} outputs"));
+            }
+            assert_twins_agree(&cu, 3, &c.slots, &queued, &single);
+        }
+    }
+}
+
+#[test]
+fn cuda_chunked_prefill_in_windows_of_one_chunk_gives_the_bits_of_one_window() {
+    // A scratch budget of one chunk per window: every sequence longer than a chunk goes from
+    // window to window through the f32 carry, which must change no bit of the outputs and
+    // states (ring pools: their pending entries folded first).
+    let Some(cu) = cuda() else { return };
+    cu.set_prefill_kernel(Some(PrefillKernel::Chunked))
+        .expect("prefill kernel");
+    let mem = cu.memory();
+    for (state, ring_len, layout) in [
+        (Dtype::Fp32, 0, StateLayout::KFirst),
+        (Dtype::Bf16, 3, StateLayout::VFirst),
+        (Dtype::Fp16, 0, StateLayout::KFirst),
+    ] {
+        let c = prefill_case(
+            case(2, 4, 32, 48, state, Dtype::Fp32, layout, ring_len),
+            &[150, 0, 37, 64, 1],
         );
-        check_decode_matches_prefill(&cu, &c, 330);
-        check_prefill_in_two_pieces_matches_one(&cu, &c, &[9, 0, 7], 331);
+        let mut rng = StdRng::seed_from_u64(350 + ring_len as u64);
+        let (mut whole, mut windowed) = twin_layers(&cu, &c, &c, &mut rng);
+        let n = c.slots.len();
+        let params = HostInputs::random(&mut rng, c.dims(), 0, &c.opts, c.input_dtype);
+        let ones: Vec<usize> = (0..=n).collect();
+        for _ in 0..ring_len.min(2) {
+            let inp = HostInputs::random(&mut rng, c.dims(), n, &c.opts, c.input_dtype)
+                .with_gate_params(&params.a_log, &params.dt_bias);
+            for layer in [&mut whole, &mut windowed] {
+                run_tokens(&cu, layer, TokenOp::Decode, &ones, &c.slots, &inp, &c.opts)
+                    .expect("ring decode");
+            }
+        }
+        let inputs = HostInputs::random(&mut rng, c.dims(), c.num_tokens(), &c.opts, c.input_dtype)
+            .with_gate_params(&params.a_log, &params.dt_bias);
+        let bounds = c.bounds();
+        let mut outs = Vec::new();
+        for (budget, layer) in [(512 << 20, &mut whole), (1, &mut windowed)] {
+            cu.set_prefill_scratch_bytes(budget).expect("budget");
+            outs.push(
+                run_tokens(
+                    &cu,
+                    layer,
+                    TokenOp::Prefill,
+                    &bounds,
+                    &c.slots,
+                    &inputs,
+                    &c.opts,
+                )
+                .expect("prefill"),
+            );
+        }
+        let what = format!("{state} {layout:?} ring {ring_len}");
+        assert_bits_eq(&outs[1], &outs[0], &format!("{what}: outputs"));
+        let a = whole.read_states(mem, &c.slots).expect("read");
+        let b = windowed.read_states(mem, &c.slots).expect("read");
+        assert_bits_eq(&b, &a, &format!("{what}: states"));
+    }
+}
+
+#[test]
+fn cuda_prefill_equals_decode_token_by_token_and_prefill_in_two_pieces() {
+    let Some(cu) = cuda() else { return };
+    for pk in PREFILL_KERNELS {
+        eprintln!("prefill kernel {pk:?}");
+        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+        for (state, ring_len) in [(Dtype::Fp32, 0), (Dtype::Fp16, 0), (Dtype::Bf16, 4)] {
+            let c = prefill_case(
+                case(
+                    2,
+                    4,
+                    32,
+                    48,
+                    state,
+                    Dtype::Fp32,
+                    StateLayout::KFirst,
+                    ring_len,
+                ),
+                &[20, 0, 7],
+            );
+            check_decode_matches_prefill(&cu, &c, 330);
+            check_prefill_in_two_pieces_matches_one(&cu, &c, &[9, 0, 7], 331);
+        }
     }
 }
 

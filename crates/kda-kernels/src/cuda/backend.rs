@@ -1,7 +1,8 @@
 //! [`CudaBackend`]: the [`Backend`] of the CUDA device, one kernel launch per operation: an
 //! eager kernel for eager decode, a ring kernel with a ring, `kda_step` where neither fits
 //! (the launch plans of `eager_plan` and `ring_plan` choose) and for prefill, which it runs
-//! token by token.
+//! token by token, or chunked ([`PrefillKernel::Chunked`]: two kernels per window of chunks,
+//! after a `kda_step` launch that folds a ring's pending entries).
 //!
 //! Two ways in:
 //! - the [`Backend`] methods validate everything on the host, exactly like the CPU backend:
@@ -22,6 +23,10 @@ use parking_lot::Mutex;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
+use super::chunk_plan::{
+    chunk_supported, max_chunks, prep_smem, state_smem, vblocks, windows, ChunkParams,
+    ScratchLayout, DEFAULT_SCRATCH_BYTES, PREP_THREADS, STATE_THREADS,
+};
 use super::eager_plan::{eager_plan, EagerPlan, EagerShape, PIPE_THREADS, STREAM_CTAS_PER_SM};
 use super::kernel::Kernel;
 use super::lanes::warp_columns;
@@ -32,15 +37,15 @@ use super::params::{
     ERR_META, NO_SLOT,
 };
 use super::registry::{
-    device_arch, eager_kernel, eager_tile_kernel, ring_kernel, ring_tile_kernel, step_kernel,
-    warm_up, StepKey, TileMove,
+    chunk_kernels, device_arch, eager_kernel, eager_tile_kernel, ring_kernel, ring_tile_kernel,
+    step_kernel, warm_up, StepKey, TileMove,
 };
 use super::ring_plan::{ring_choice, RingShape, RING_THREADS};
 use crate::api::{
     Backend, BatchKind, BatchPlan, BetaMode, GateMode, IndexView, KdaOptions, StepInputs,
     TensorView, TensorViewMut,
 };
-use crate::choice::{EagerKernel, RingKernel};
+use crate::choice::{EagerKernel, PrefillKernel, RingKernel};
 use crate::cpu::validate::{
     check_accepted, check_layer, validate_call, CallArgs, Op, PreparedPlan,
 };
@@ -121,6 +126,10 @@ pub struct CudaBackend {
     /// Whether kernels launch as programmatic dependent launches (`None`: per call,
     /// `dependent_launch`).
     dependent_launch: Mutex<Option<bool>>,
+    /// The prefill kernel asked for (`None`: `PrefillKernel::Steps`).
+    prefill_kernel: Mutex<Option<PrefillKernel>>,
+    /// The chunked prefill's scratch (grown on demand, kept) and its budget, bytes.
+    chunk_scratch: Mutex<(Option<CudaBuffer>, usize)>,
     /// Whether the device has programmatic dependent launch (sm_90 and later; the kernels'
     /// wait is compiled only there).
     has_dependent_launch: bool,
@@ -250,6 +259,8 @@ impl CudaBackend {
             eager_stages: Mutex::new(None),
             ring_kernel: Mutex::new(None),
             dependent_launch: Mutex::new(None),
+            prefill_kernel: Mutex::new(None),
+            chunk_scratch: Mutex::new((None, DEFAULT_SCRATCH_BYTES)),
             has_dependent_launch: arch.major >= 9,
             has_bulk_copies: arch.major >= 9,
             num_sms,
@@ -332,6 +343,26 @@ impl CudaBackend {
     /// session).
     pub fn set_dependent_launch(&self, on: Option<bool>) -> Result<()> {
         *self.dependent_launch.lock() = on;
+        Ok(())
+    }
+
+    /// Chooses the prefill kernel ([`PrefillKernel`]): `None` (the default) and `Steps` run
+    /// `kda_step` token by token; `Chunked` runs the chunked kernels where the call fits them
+    /// (plain batches, `K % 4 == 0`, `V % 8 == 0`, the preparation's shared memory within the
+    /// device's), else `kda_step`.
+    pub fn set_prefill_kernel(&self, kernel: Option<PrefillKernel>) -> Result<()> {
+        *self.prefill_kernel.lock() = kernel;
+        Ok(())
+    }
+
+    /// Bounds the chunked prefill's scratch (its f32 intermediates of each chunk and value
+    /// head: about 148 KiB at K = V = 128; by default 512 MiB): a call whose chunks need more
+    /// runs in windows of as many chunks as fit, one after another, each sequence's state
+    /// carried in f32 from one to the next. The scratch is allocated on the first chunked
+    /// prefill that needs it and kept (grown only); setting a budget frees it. At least one
+    /// chunk per window, whatever the budget.
+    pub fn set_prefill_scratch_bytes(&self, bytes: usize) -> Result<()> {
+        *self.chunk_scratch.lock() = (None, bytes);
         Ok(())
     }
 
@@ -511,7 +542,118 @@ impl CudaBackend {
     /// counts back and validate them on the host (the [`Backend`] methods).
     fn run(&self, call: Call<'_, '_>, layer: &mut LayerMut<'_, Buf>, exact: bool) -> Result<()> {
         let checked = self.validate(&call, layer, exact)?;
+        if self.chunked(&call, layer.geometry) {
+            return self.launch_chunked(&call, checked.stores, layer, exact);
+        }
         self.launch(&call, checked.stores, layer, exact)
+    }
+
+    /// Whether a call runs the chunked prefill: asked for ([`CudaBackend::set_prefill_kernel`]),
+    /// a prefill of a plain batch, and a head shape the kernels take on this device.
+    fn chunked(&self, call: &Call<'_, '_>, g: &PoolGeometry) -> bool {
+        call.op == Op::Prefill
+            && call.batch.kind() == BatchKind::Plain
+            && *self.prefill_kernel.lock() == Some(PrefillKernel::Chunked)
+            && chunk_supported(g.k, g.v, self.smem_optin)
+    }
+
+    /// The chunked prefill of a validated call: with a ring, first `kda_step` on a prefill of no
+    /// tokens (it folds each slot's pending entries into its state, drops the drafts and empties
+    /// the ring, as a prefill must before its tokens); then per window of chunks
+    /// (`chunk_plan::windows`, within the scratch budget) `kda_chunk_prep` over every (chunk,
+    /// value head) and `kda_chunk_state` over every (piece, value head, block of columns).
+    fn launch_chunked(
+        &self,
+        call: &Call<'_, '_>,
+        stores: bool,
+        layer: &mut LayerMut<'_, Buf>,
+        exact: bool,
+    ) -> Result<()> {
+        let g = layer.geometry;
+        let plan = call.batch.plans.as_ref();
+        let n = plan.num_seqs();
+        if n == 0 {
+            return Ok(());
+        }
+        if g.ring_len > 0 {
+            let none = self.mem.upload_staged(&vec![0u32; n + 1])?;
+            let fold = Call {
+                bounds: Some(&none),
+                ..*call
+            };
+            self.launch(&fold, stores, layer, exact)?;
+        }
+        let (k, v, hv) = (g.k, g.v, g.hv);
+        let mut scratch = self.chunk_scratch.lock();
+        let wins = windows(&plan.bounds, max_chunks(scratch.1, hv, k, v));
+        let Some(most) = wins.iter().map(|w| w.chunks.len()).max() else {
+            return Ok(()); // no tokens: nothing to compute or store
+        };
+        let input = call.inputs.map_or(g.ring_dtype, |i| i.q.dtype);
+        let (prep, step) = chunk_kernels(&self.ctx, StepKey::of(g, input, BatchKind::Plain))?;
+        let (prep_bytes, step_bytes) = (prep_smem(k, v), state_smem(k));
+        prep.opt_in_smem(prep_bytes)?;
+        step.opt_in_smem(step_bytes)?;
+        let lay = ScratchLayout::new(most, hv, k, v);
+        if scratch.0.as_ref().is_none_or(|b| b.len() < 4 * lay.floats) {
+            scratch.0 = None; // freed (stream-ordered) before the larger one is allocated
+            scratch.0 = Some(self.mem.alloc_zeroed(4 * lay.floats)?);
+        }
+        let buf = scratch.0.as_ref().expect("allocated above");
+        let s = self.stream();
+        let base = buf.device_ptr(s);
+        let at = |floats: usize| base + 4 * floats as u64;
+        let epoch = *layer.epoch + 1;
+        let err = self.err.lock();
+        let params = self.call_params(call, layer, n, epoch, &err);
+        for w in &wins {
+            let chunks = self.mem.upload_staged(w.chunks.as_flattened())?;
+            let pieces = self.mem.upload_staged(w.pieces.as_flattened())?;
+            let cp = ChunkParams {
+                chunks: chunks.device_ptr(s),
+                pieces: pieces.device_ptr(s),
+                w: at(lay.w),
+                qg: at(lay.qg),
+                kg: at(lay.kg),
+                u: at(lay.u),
+                aqk: at(lay.aqk),
+                gl: at(lay.gl),
+                carry: at(lay.carry),
+                n_chunks: w.chunks.len() as u32,
+                n_pieces: w.pieces.len() as u32,
+            };
+            for (kernel, ctas, threads, smem) in [
+                (&prep, w.chunks.len() * hv, PREP_THREADS, prep_bytes),
+                (
+                    &step,
+                    w.pieces.len() * hv * vblocks(v),
+                    STATE_THREADS,
+                    step_bytes,
+                ),
+            ] {
+                let cfg = LaunchConfig {
+                    grid_dim: (ctas as u32, 1, 1),
+                    block_dim: (threads as u32, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                };
+                let mut args = [
+                    &params as *const KdaParams as *mut std::ffi::c_void,
+                    &cp as *const ChunkParams as *mut std::ffi::c_void,
+                ];
+                // SAFETY: the kernels take (KdaParams, KdaChunkParams), which `params` and `cp`
+                // match (sizes checked at compile time); every pointer in them refers to a live
+                // allocation validated against the geometry and the batch, the window's tables
+                // and the scratch (sized by `ScratchLayout` for the window's chunks, kept by the
+                // backend; the tables freed stream-ordered after the launch); the grid is at
+                // most the window's chunks (or pieces x blocks) times the value heads, the
+                // block the kernels' launch bounds, the shared memory opted in above. Neither
+                // kernel waits on a previous grid, so none launches as a dependent launch.
+                unsafe { launch_args(s, kernel.func(), cfg, &mut args, false) }
+                    .map_err(|e| device_err(&format!("{} launch", kernel.name()), e))?;
+            }
+        }
+        *layer.epoch = epoch;
+        Ok(())
     }
 
     /// The host-side checks of a call (see [`CudaBackend::run`]).
@@ -574,6 +716,74 @@ impl CudaBackend {
         )
     }
 
+    /// The fields of a call's parameter block that its launch plan does not decide (those are
+    /// left 0): the tensors, the layer's planes, the batch (or `call.bounds`), the options,
+    /// the rounding, `n` sequences and the store `epoch`.
+    fn call_params(
+        &self,
+        call: &Call<'_, '_>,
+        layer: &LayerMut<'_, Buf>,
+        n: usize,
+        epoch: u64,
+        err: &CudaBuffer,
+    ) -> KdaParams {
+        let g = layer.geometry;
+        let s = self.stream();
+        let ptr = |b: &CudaBuffer| b.device_ptr(s);
+        let opt_ptr = |t: Option<&TensorView<'_, Buf>>| t.map_or(0, |t| ptr(t.buf));
+        let opts = call.opts;
+        let (gate_mode, lower_bound) = match opts.gate {
+            GateMode::Activated => (0, 0.0),
+            GateMode::Softplus => (1, 0.0),
+            GateMode::LowerBound(lb) => (2, lb),
+        };
+        let (sr, seed) = match g.rounding {
+            Rounding::Nearest => (0, 0u64),
+            Rounding::Stochastic { seed } => (1, seed),
+        };
+        let inputs = call.inputs;
+        let (a_log, dt_bias) = match inputs {
+            Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),
+            None => (opt_ptr(call.a_log), opt_ptr(call.dt_bias)),
+        };
+        KdaParams {
+            q: inputs.map_or(0, |i| ptr(i.q.buf)),
+            k: inputs.map_or(0, |i| ptr(i.k.buf)),
+            v: inputs.map_or(0, |i| ptr(i.v.buf)),
+            g: inputs.map_or(0, |i| ptr(i.g.buf)),
+            beta: inputs.map_or(0, |i| ptr(i.beta.buf)),
+            a_log: if opts.needs_gate_params() { a_log } else { 0 },
+            dt_bias: if opts.needs_gate_params() { dt_bias } else { 0 },
+            out: call.out_buf.map_or(0, ptr),
+            ssm: ptr(layer.ssm),
+            ring: ptr(layer.ring),
+            meta: ptr(layer.meta),
+            delta: ptr(layer.delta),
+            bounds: ptr(call.bounds.unwrap_or(&call.batch.bounds)),
+            slots: ptr(&call.batch.slots),
+            accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
+            err: ptr(err),
+            live: call.batch.live.as_ref().map_or(0, ptr),
+            n_seqs: n as u32,
+            h: g.h as u32,
+            hv: g.hv as u32,
+            ring_len: g.ring_len as u32,
+            op: call.code as u32,
+            gate_mode,
+            beta_sigmoid: u32::from(opts.beta == BetaMode::Sigmoid),
+            l2norm: u32::from(opts.l2norm_qk),
+            scale: opts.scale_for(g.k),
+            lower_bound,
+            beta_factor: if opts.allow_neg_eigval { 2.0 } else { 1.0 },
+            sr,
+            seed_lo: seed as u32,
+            seed_hi: (seed >> 32) as u32,
+            layer: layer.layer as u32,
+            epoch: epoch as u32,
+            ..KdaParams::default()
+        }
+    }
+
     /// Launches the one kernel of a validated call; `stores`: whether the host knows that
     /// the call stores (exact validation), else the epoch is bumped whenever it may store.
     fn launch(
@@ -606,20 +816,8 @@ impl CudaBackend {
             None => g.ring_dtype,
         };
         let key = StepKey::of(g, input, call.batch.kind());
-
         let s = self.stream();
-        let ptr = |b: &CudaBuffer| b.device_ptr(s);
-        let opt_ptr = |t: Option<&TensorView<'_, Buf>>| t.map_or(0, |t| ptr(t.buf));
-        let opts = call.opts;
-        let (gate_mode, lower_bound) = match opts.gate {
-            GateMode::Activated => (0, 0.0),
-            GateMode::Softplus => (1, 0.0),
-            GateMode::LowerBound(lb) => (2, lb),
-        };
-        let (sr, seed) = match g.rounding {
-            Rounding::Nearest => (0, 0u64),
-            Rounding::Stochastic { seed } => (1, seed),
-        };
+        let sr = matches!(g.rounding, Rounding::Stochastic { .. });
         let ring = g.ring_len > 0;
         let wc = warp_columns(g.k);
         let warps_per_head = g.v.div_ceil(wc);
@@ -655,7 +853,7 @@ impl CudaBackend {
                 entry_bytes: g.ring_entry_elems() * input.size(),
                 max_new: (0..n).map(|i| plan.len_of(i)).max().unwrap_or(0),
                 heads: n * g.hv,
-                stochastic: sr == 1,
+                stochastic: sr,
                 deltas: g.ring_deltas,
                 v_first: g.layout == StateLayout::VFirst,
                 decode: call.op == Op::Decode,
@@ -749,11 +947,6 @@ impl CudaBackend {
             ));
         }
         let err = self.err.lock();
-        let inputs = call.inputs;
-        let (a_log, dt_bias) = match inputs {
-            Some(i) => (opt_ptr(i.a_log.as_ref()), opt_ptr(i.dt_bias.as_ref())),
-            None => (opt_ptr(call.a_log), opt_ptr(call.dt_bias)),
-        };
         let dependent = dependent_launch(
             call.op,
             ring_pipe.map(|_| items),
@@ -761,39 +954,6 @@ impl CudaBackend {
             self.has_dependent_launch,
         );
         let params = KdaParams {
-            q: inputs.map_or(0, |i| ptr(i.q.buf)),
-            k: inputs.map_or(0, |i| ptr(i.k.buf)),
-            v: inputs.map_or(0, |i| ptr(i.v.buf)),
-            g: inputs.map_or(0, |i| ptr(i.g.buf)),
-            beta: inputs.map_or(0, |i| ptr(i.beta.buf)),
-            a_log: if opts.needs_gate_params() { a_log } else { 0 },
-            dt_bias: if opts.needs_gate_params() { dt_bias } else { 0 },
-            out: call.out_buf.map_or(0, ptr),
-            ssm: ptr(layer.ssm),
-            ring: ptr(layer.ring),
-            meta: ptr(layer.meta),
-            delta: ptr(layer.delta),
-            bounds: ptr(&call.batch.bounds),
-            slots: ptr(&call.batch.slots),
-            accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
-            err: ptr(&err),
-            live: call.batch.live.as_ref().map_or(0, ptr),
-            n_seqs: n as u32,
-            h: g.h as u32,
-            hv: g.hv as u32,
-            ring_len: g.ring_len as u32,
-            op: call.code as u32,
-            gate_mode,
-            beta_sigmoid: u32::from(opts.beta == BetaMode::Sigmoid),
-            l2norm: u32::from(opts.l2norm_qk),
-            scale: opts.scale_for(g.k),
-            lower_bound,
-            beta_factor: if opts.allow_neg_eigval { 2.0 } else { 1.0 },
-            sr,
-            seed_lo: seed as u32,
-            seed_hi: (seed >> 32) as u32,
-            layer: layer.layer as u32,
-            epoch: epoch as u32,
             heads_per_cta: heads_per_cta as u32,
             units: units as u32,
             vblocks: vblocks as u32,
@@ -809,6 +969,7 @@ impl CudaBackend {
             div_seq: FastDiv::new((units * vblocks) as u32),
             div_vb: FastDiv::new(vblocks as u32),
             div_grp: FastDiv::new(g.group() as u32),
+            ..self.call_params(call, layer, n, epoch, &err)
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
@@ -904,6 +1065,23 @@ unsafe fn launch_kda(
     params: &KdaParams,
     dependent: bool,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let mut args = [params as *const KdaParams as *mut std::ffi::c_void];
+    // SAFETY: the caller's guarantees, for the one parameter.
+    unsafe { launch_args(stream, func, cfg, &mut args, dependent) }
+}
+
+/// Launches `func` with the kernel parameters `args` (pointers to each) on `stream`, as
+/// [`launch_kda`] does.
+///
+/// # Safety
+/// As for [`launch_kda`], for every parameter of `args`, which must be the kernel's in order.
+unsafe fn launch_args(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &mut [*mut std::ffi::c_void],
+    dependent: bool,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
     use cudarc::driver::sys;
     stream.context().bind_to_thread()?;
     let mut attr = sys::CUlaunchAttribute {
@@ -925,9 +1103,8 @@ unsafe fn launch_kda(
         attrs: &mut attr,
         numAttrs: u32::from(dependent),
     };
-    let mut args = [params as *const KdaParams as *mut std::ffi::c_void];
     // SAFETY: the config, its one attribute and the argument array live across the call; the
-    // caller vouches for the kernel and its parameter.
+    // caller vouches for the kernel and its parameters.
     unsafe {
         sys::cuLaunchKernelEx(
             &config,
@@ -940,6 +1117,7 @@ unsafe fn launch_kda(
 }
 
 /// One call's arguments, before validation.
+#[derive(Clone, Copy)]
 struct Call<'a, 'b> {
     op: Op,
     code: OpCode,
@@ -952,6 +1130,9 @@ struct Call<'a, 'b> {
     /// Output dtype, elements, buffer bytes.
     out_shape: Option<(Dtype, usize, usize)>,
     out_buf: Option<&'a CudaBuffer>,
+    /// Sequence bounds on the device in place of the batch's (the chunked prefill's fold: a
+    /// prefill of no tokens).
+    bounds: Option<&'a CudaBuffer>,
 }
 
 impl<'a, 'b> Call<'a, 'b> {
@@ -979,6 +1160,7 @@ impl<'a, 'b> Call<'a, 'b> {
             opts,
             out_shape: Some((out.dtype, out.len, out.buf.len())),
             out_buf: Some(&*out.buf),
+            bounds: None,
         }
     }
 
@@ -1000,6 +1182,7 @@ impl<'a, 'b> Call<'a, 'b> {
             opts,
             out_shape: None,
             out_buf: None,
+            bounds: None,
         }
     }
 }

@@ -5,13 +5,15 @@
 //!   ahead of time into the module cache: [`crate::precompile()`]);
 //! - `kernel`: a loaded kernel with the driver's launch answers about it, asked once;
 //! - `params`: the kernel parameter block;
-//! - `lanes`, `eager_plan`, `ring_plan`: the kernels' lane geometry and the launch plans (pure
-//!   functions of a call's shape: which kernel, how many warps, how much shared memory);
+//! - `lanes`, `eager_plan`, `ring_plan`, `chunk_plan`: the kernels' lane geometry and the launch
+//!   plans (pure functions of a call's shape: which kernel, how many warps, how much shared
+//!   memory, the chunked prefill's windows);
 //! - [`backend`]: [`CudaBackend`], the [`crate::Backend`] (prefill token by token, decode,
 //!   spec_verify, replay) and its synchronisation-free `enqueue_*` variants;
 //! - [`timing`]: CUDA graphs, events and the copy bandwidth for benchmarks.
 
 pub mod backend;
+mod chunk_plan;
 mod cubin_cache;
 mod eager_plan;
 mod kernel;

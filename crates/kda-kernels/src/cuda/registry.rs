@@ -31,6 +31,7 @@ const DECODE: &str = include_str!("../../../../kernels/kda_decode.cu");
 const RING: &str = include_str!("../../../../kernels/kda_ring.cu");
 const RING_MMA: &str = include_str!("../../../../kernels/kda_ring_mma.cu");
 const RING_DELTA: &str = include_str!("../../../../kernels/kda_ring_delta.cu");
+const CHUNK: &str = include_str!("../../../../kernels/kda_chunk.cu");
 const FILL: &str = include_str!("../../../../kernels/kda_fill.cu");
 
 /// What a `kda_step` module is specialised on.
@@ -91,6 +92,8 @@ enum Key {
     RingMma(StepKey),
     RingDelta(StepKey),
     RingDeltaStaged(StepKey),
+    ChunkPrep(StepKey),
+    ChunkState(StepKey),
     Fill,
     Copy,
 }
@@ -114,6 +117,8 @@ impl Key {
             Key::RingMma(_) => "kda_ring_mma",
             Key::RingDelta(_) => "kda_ring_delta",
             Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
+            Key::ChunkPrep(_) => "kda_chunk_prep",
+            Key::ChunkState(_) => "kda_chunk_state",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -136,13 +141,15 @@ impl Key {
             | Key::RingTile(k)
             | Key::RingMma(k)
             | Key::RingDelta(k)
-            | Key::RingDeltaStaged(k) => ModuleKey::Step(k),
+            | Key::RingDeltaStaged(k)
+            | Key::ChunkPrep(k)
+            | Key::ChunkState(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (fifteen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (seventeen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -151,7 +158,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 15] {
+fn step_module(k: StepKey) -> [Key; 17] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -168,6 +175,8 @@ fn step_module(k: StepKey) -> [Key; 15] {
         Key::RingMma(k),
         Key::RingDelta(k),
         Key::RingDeltaStaged(k),
+        Key::ChunkPrep(k),
+        Key::ChunkState(k),
     ]
 }
 
@@ -221,7 +230,7 @@ pub(crate) fn step_source(key: &StepKey) -> String {
     );
     source(
         &defines,
-        &format!("{DECODE}\n{RING}\n{RING_MMA}\n{RING_DELTA}"),
+        &format!("{DECODE}\n{RING}\n{RING_MMA}\n{RING_DELTA}\n{CHUNK}"),
     )
 }
 
@@ -491,6 +500,15 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<Kernel
     get(ctx, Key::Step(key))
 }
 
+/// The chunked prefill's kernels specialised on `key` (`kda_chunk_prep`, `kda_chunk_state`;
+/// same module as `kda_step`), compiled on first use.
+pub(crate) fn chunk_kernels(ctx: &Arc<CudaContext>, key: StepKey) -> Result<(Kernel, Kernel)> {
+    Ok((
+        get(ctx, Key::ChunkPrep(key))?,
+        get(ctx, Key::ChunkState(key))?,
+    ))
+}
+
 /// The pipelined eager-decode kernel specialised on `key` (same module as `kda_step`),
 /// compiled on first use: `kda_eager_stage` (the tile stored through its stage) where
 /// `stage_store`, else `kda_eager`.
@@ -640,7 +658,9 @@ mod tests {
                 "kda_ring_tile",
                 "kda_ring_mma",
                 "kda_ring_delta",
-                "kda_ring_delta_staged"
+                "kda_ring_delta_staged",
+                "kda_chunk_prep",
+                "kda_chunk_state"
             ]
         );
     }

@@ -1,0 +1,276 @@
+//! The chunked prefill's launch plan (`kernels/kda_chunk.cu`): which shapes it takes, the
+//! scratch it needs, and the call's sequences cut into chunks of at most [`BT`] tokens and
+//! packed, in order, into windows whose scratch fits a budget. Pure functions of the call's
+//! shape; the backend uploads each window's tables and launches `kda_chunk_prep` then
+//! `kda_chunk_state` on it.
+
+/// Tokens per chunk (`BT` of `kda_chunk.cu`).
+pub(crate) const BT: usize = 64;
+/// Value columns per `kda_chunk_state` CTA (`BV`).
+pub(crate) const BV: usize = 16;
+/// Threads of a `kda_chunk_prep` CTA (`PREP_THREADS`).
+pub(crate) const PREP_THREADS: usize = 256;
+/// Threads of a `kda_chunk_state` CTA (`STATE_THREADS`).
+pub(crate) const STATE_THREADS: usize = 128;
+/// `KDA_PIECE_FROM_SLOT`: the piece starts from the slot's state (else from the carry).
+pub(crate) const FROM_SLOT: u32 = 1;
+/// `KDA_PIECE_TO_SLOT`: the piece ends by storing the slot's state (else into the carry).
+pub(crate) const TO_SLOT: u32 = 2;
+/// The scratch budget by default: 512 MiB, about 3600 (chunk, value head) blocks at K = V =
+/// 128, so a prefill of up to 300 chunks (19 k tokens) at 12 value heads runs in one window.
+pub(crate) const DEFAULT_SCRATCH_BYTES: usize = 512 << 20;
+
+/// `struct KdaChunkParams` of `kda_chunk.cu`, the second kernel parameter of both kernels.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ChunkParams {
+    /// `u32 [n_chunks][2]`: first token, tokens.
+    pub chunks: u64,
+    /// `u32 [n_pieces][4]`: first chunk, chunks, sequence, flags.
+    pub pieces: u64,
+    pub w: u64,
+    pub qg: u64,
+    pub kg: u64,
+    pub u: u64,
+    pub aqk: u64,
+    pub gl: u64,
+    /// `f32 [HV][K][V]`: the state of the sequence a window leaves open.
+    pub carry: u64,
+    pub n_chunks: u32,
+    pub n_pieces: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8 + 2 * 4);
+
+/// Whether the chunked kernels take heads of `k` x `v` (float4 rows of K, eight output columns
+/// at a time) within `smem_optin` bytes of shared memory per CTA.
+pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
+    k > 0 && v > 0 && k.is_multiple_of(4) && v.is_multiple_of(8) && prep_smem(k, v) <= smem_optin
+}
+
+/// Dynamic shared memory of `kda_chunk_prep`, bytes (`PREP_SMEM_FLOATS`).
+pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
+    let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
+    4 * (3 * BT * ck + BT * cv + BT * ca + BT)
+}
+
+/// Dynamic shared memory of `kda_chunk_state`, bytes (`STATE_SMEM_FLOATS`).
+pub(crate) fn state_smem(k: usize) -> usize {
+    4 * (k + BT) * (BV + 4)
+}
+
+/// `kda_chunk_state` CTAs per (piece, value head).
+pub(crate) fn vblocks(v: usize) -> usize {
+    v.div_ceil(BV)
+}
+
+/// Scratch floats of one (chunk, value head) block: w, q exp(Gc), k exp(Gc_last - Gc) (BT x K
+/// each), u (BT x V), Aqk (BT x BT), exp(Gc_last) (K).
+pub(crate) fn block_floats(k: usize, v: usize) -> usize {
+    3 * BT * k + BT * v + BT * BT + k
+}
+
+/// The scratch of a window of `chunks` chunks: the element offset of each region in one f32
+/// allocation (each a multiple of 4 floats for `k % 4 == 0`, `v % 8 == 0`), and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ScratchLayout {
+    pub w: usize,
+    pub qg: usize,
+    pub kg: usize,
+    pub u: usize,
+    pub aqk: usize,
+    pub gl: usize,
+    pub carry: usize,
+    /// Floats in all.
+    pub floats: usize,
+}
+
+impl ScratchLayout {
+    /// The regions for `chunks` chunks of `hv` value heads of `k` x `v`, and the carry.
+    pub(crate) fn new(chunks: usize, hv: usize, k: usize, v: usize) -> Self {
+        let blocks = chunks * hv;
+        let w = 0;
+        let qg = w + blocks * BT * k;
+        let kg = qg + blocks * BT * k;
+        let u = kg + blocks * BT * k;
+        let aqk = u + blocks * BT * v;
+        let gl = aqk + blocks * BT * BT;
+        let carry = gl + blocks * k;
+        Self {
+            w,
+            qg,
+            kg,
+            u,
+            aqk,
+            gl,
+            carry,
+            floats: carry + hv * k * v,
+        }
+    }
+}
+
+/// One window: its chunks (first token, tokens) and pieces (first chunk of the window,
+/// chunks, sequence, flags), as the kernels read them.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct Window {
+    pub chunks: Vec<[u32; 2]>,
+    pub pieces: Vec<[u32; 4]>,
+}
+
+/// The call's sequences (token offsets `bounds`, N + 1 of them) cut into chunks of at most
+/// [`BT`] tokens, packed in order into windows of at most `max_chunks` chunks (at least 1).
+/// A sequence that does not end in a window continues in the next one, which then starts with
+/// it: so at most one sequence is open across a window's end (the carry holds its state).
+/// Sequences of no tokens have no piece (their state is left as it is).
+pub(crate) fn windows(bounds: &[usize], max_chunks: usize) -> Vec<Window> {
+    let max_chunks = max_chunks.max(1);
+    let mut out: Vec<Window> = Vec::new();
+    let mut cur = Window::default();
+    for (seq, b) in bounds.windows(2).enumerate() {
+        let (start, end) = (b[0], b[1]);
+        let mut tok = start;
+        while tok < end {
+            if cur.chunks.len() == max_chunks {
+                out.push(std::mem::take(&mut cur));
+            }
+            // a new piece where the window has none of this sequence yet
+            let first_chunk = cur.chunks.len() as u32;
+            let from_slot = if tok == start { FROM_SLOT } else { 0 };
+            let mut n = 0u32;
+            while tok < end && cur.chunks.len() < max_chunks {
+                let len = (end - tok).min(BT);
+                cur.chunks.push([tok as u32, len as u32]);
+                tok += len;
+                n += 1;
+            }
+            let to_slot = if tok == end { TO_SLOT } else { 0 };
+            cur.pieces
+                .push([first_chunk, n, seq as u32, from_slot | to_slot]);
+        }
+    }
+    if !cur.chunks.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Chunks per window for a scratch budget of `budget_bytes` (at least one).
+pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> usize {
+    (budget_bytes / (4 * hv.max(1) * block_floats(k, v))).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn the_production_heads_fit_and_odd_widths_fall_back() {
+        let h200 = 232_448;
+        assert!(chunk_supported(128, 128, h200));
+        assert!(chunk_supported(32, 48, h200));
+        assert_eq!(prep_smem(128, 128), 152_832);
+        assert!(!chunk_supported(30, 48, h200), "K not a multiple of 4");
+        assert!(!chunk_supported(32, 44, h200), "V not a multiple of 8");
+        assert!(
+            !chunk_supported(256, 256, 101_376),
+            "too much shared memory"
+        );
+        assert_eq!(vblocks(128), 8);
+        assert_eq!(vblocks(48), 3);
+        assert_eq!(state_smem(128), 15_360);
+    }
+
+    #[test]
+    fn scratch_regions_follow_one_another_aligned() {
+        let l = ScratchLayout::new(3, 2, 32, 48);
+        let blocks = 6;
+        assert_eq!(l.qg, blocks * BT * 32);
+        assert_eq!(l.u - l.kg, blocks * BT * 32);
+        assert_eq!(l.aqk - l.u, blocks * BT * 48);
+        assert_eq!(l.gl - l.aqk, blocks * BT * BT);
+        assert_eq!(l.carry - l.gl, blocks * 32);
+        assert_eq!(l.floats - l.carry, 2 * 32 * 48);
+        for off in [l.w, l.qg, l.kg, l.u, l.aqk, l.gl, l.carry] {
+            assert_eq!(off % 4, 0, "16-byte aligned region");
+        }
+        assert_eq!(block_floats(32, 48), 3 * BT * 32 + BT * 48 + BT * BT + 32);
+    }
+
+    #[test]
+    fn the_default_budget_holds_a_19k_token_prefill_of_12_heads_in_one_window() {
+        let m = max_chunks(DEFAULT_SCRATCH_BYTES, 12, 128, 128);
+        assert!(m >= 300, "{m}");
+        assert_eq!(max_chunks(0, 12, 128, 128), 1, "at least one chunk");
+    }
+
+    #[test]
+    fn a_long_sequence_continues_through_the_carry() {
+        let w = windows(&[0, 200, 200, 210], 2);
+        // 200 tokens: chunks of 64, 64, 64, 8; then 10 tokens
+        assert_eq!(w.len(), 3);
+        assert_eq!(w[0].chunks, vec![[0, 64], [64, 64]]);
+        assert_eq!(w[0].pieces, vec![[0, 2, 0, FROM_SLOT]]);
+        assert_eq!(w[1].chunks, vec![[128, 64], [192, 8]]);
+        assert_eq!(w[1].pieces, vec![[0, 2, 0, TO_SLOT]]);
+        // the empty sequence 1 has no piece
+        assert_eq!(w[2].chunks, vec![[200, 10]]);
+        assert_eq!(w[2].pieces, vec![[0, 1, 2, FROM_SLOT | TO_SLOT]]);
+    }
+
+    proptest! {
+        /// Every token lies in exactly one chunk, in order; chunks hold 1..=BT tokens of one
+        /// sequence; a window has at most `max` chunks; each sequence's pieces cover its chunks
+        /// in order, the first from the slot, the last to it, the others through the carry;
+        /// only a window's first piece may start from the carry and only its last may end in
+        /// it.
+        #[test]
+        fn windows_cover_every_token_once_in_order(
+            lens in proptest::collection::vec(0usize..300, 0..8),
+            max in 1usize..12,
+        ) {
+            let mut bounds = vec![0usize];
+            for l in &lens {
+                bounds.push(bounds.last().unwrap() + l);
+            }
+            let ws = windows(&bounds, max);
+            let mut next_tok = 0usize;
+            let mut open: Option<u32> = None;
+            let mut seen = vec![0usize; lens.len()];
+            for w in &ws {
+                prop_assert!(!w.chunks.is_empty() && w.chunks.len() <= max);
+                let mut covered = 0u32;
+                for (pi, p) in w.pieces.iter().enumerate() {
+                    let [c0, n, seq, flags] = *p;
+                    prop_assert_eq!(c0, covered, "pieces tile the window's chunks");
+                    prop_assert!(n >= 1);
+                    covered += n;
+                    let s = seq as usize;
+                    prop_assert_eq!(flags & FROM_SLOT == 0, open == Some(seq));
+                    if flags & FROM_SLOT == 0 {
+                        prop_assert_eq!(pi, 0, "only the first piece starts from the carry");
+                    }
+                    for c in &w.chunks[c0 as usize..(c0 + n) as usize] {
+                        let [t0, len] = *c;
+                        // skip empty sequences in the running token count
+                        prop_assert_eq!(t0 as usize, next_tok.max(bounds[s]));
+                        prop_assert!(len >= 1 && len as usize <= BT);
+                        prop_assert!(t0 as usize >= bounds[s] && (t0 + len) as usize <= bounds[s + 1]);
+                        next_tok = (t0 + len) as usize;
+                        seen[s] += len as usize;
+                    }
+                    if flags & TO_SLOT != 0 {
+                        prop_assert_eq!(next_tok, bounds[s + 1]);
+                        open = None;
+                    } else {
+                        prop_assert_eq!(pi, w.pieces.len() - 1, "only the last piece stays open");
+                        open = Some(seq);
+                    }
+                }
+                prop_assert_eq!(covered as usize, w.chunks.len());
+            }
+            prop_assert_eq!(open, None);
+            prop_assert_eq!(seen, lens);
+        }
+    }
+}
