@@ -22,7 +22,7 @@ use std::io::Write;
 use kda_kernels::cuda::{CudaBackend, CudaBatch, CudaBuffer};
 use kda_kernels::{
     Backend, BatchKind, BatchPlan, BetaMode, EagerKernel, GateMode, IndexView, KdaOptions,
-    RingKernel, StepInputs,
+    PrefillKernel, RingKernel, StepInputs,
 };
 use kda_kernels::{TensorView, TensorViewMut};
 use state_pool::{DeviceMemory, Dtype, LayerPlanes, PoolGeometry, Rounding, StateLayout};
@@ -843,12 +843,27 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
                                 let (sb, sets) = (s.state_bytes(), s.batches.len());
-                                // the default, then each of --warps (warps per CTA)
-                                let rows = std::iter::once(("prefill".to_string(), None)).chain(
-                                    warps.iter().map(|&w| (format!("prefill-w{w}"), Some(w))),
-                                );
-                                for (op, w) in rows {
+                                // the default, each of --warps (warps per CTA) token by
+                                // token, then the chunked kernels
+                                let rows = std::iter::once(("prefill".to_string(), None, None))
+                                    .chain(warps.iter().map(|&w| {
+                                        let steps = Some(PrefillKernel::Steps);
+                                        (format!("prefill-w{w}"), Some(w), steps)
+                                    }))
+                                    .chain(std::iter::once((
+                                        "prefill-chunked".to_string(),
+                                        None,
+                                        Some(PrefillKernel::Chunked),
+                                    )));
+                                for (op, w, pk) in rows {
                                     be.set_eager_warps(w).map_err(kerr)?;
+                                    be.set_prefill_kernel(pk).map_err(kerr)?;
+                                    if pk == Some(PrefillKernel::Chunked) {
+                                        // its tables and scratch made before the graph's capture
+                                        for set in 0..s.batches.len() {
+                                            enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
+                                        }
+                                    }
                                     let us = b.time(&mut s, kind, None)?;
                                     b.record(&op, h, n, l, 0, state, layout, sets, us, 2.0 * sb)?;
                                     println!(
@@ -857,6 +872,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     );
                                 }
                                 be.set_eager_warps(None).map_err(kerr)?;
+                                be.set_prefill_kernel(None).map_err(kerr)?;
                             }
                         }
                         Kind::Spec => {

@@ -66,6 +66,20 @@ pub struct CudaBatch {
     /// A padded batch's `u32 [2]` on the device: the live sequences (the kernels'
     /// `live_seqs`) and the epoch offset (`call_epoch`); `None` for [`Backend::prepare`]'s.
     live: Option<CudaBuffer>,
+    /// The chunked prefill's tables of this batch, built on its first chunked prefill and kept
+    /// (so later calls upload nothing and a CUDA graph can capture them).
+    chunk_tables: Mutex<Option<ChunkTables>>,
+}
+
+/// A batch's chunked-prefill tables on the device, for windows of at most `max_chunks` chunks.
+struct ChunkTables {
+    max_chunks: usize,
+    /// Per window: its chunks and pieces (`chunk_plan::Window`) and their counts.
+    windows: Vec<(CudaBuffer, CudaBuffer, usize, usize)>,
+    /// Chunks of the largest window.
+    most: usize,
+    /// `u32 [N + 1]` zeros: the bounds of a prefill of no tokens (the ring's fold).
+    no_tokens: CudaBuffer,
 }
 
 impl CudaBatch {
@@ -575,26 +589,30 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
+        let (k, v, hv) = (g.k, g.v, g.hv);
+        let mut scratch = self.chunk_scratch.lock();
+        let max = max_chunks(scratch.1, hv, k, v);
+        let mut tables = call.batch.chunk_tables.lock();
+        if tables.as_ref().is_none_or(|t| t.max_chunks != max) {
+            *tables = Some(self.chunk_tables(&plan.bounds, max)?);
+        }
+        let t = tables.as_ref().expect("built above");
         if g.ring_len > 0 {
-            let none = self.mem.upload_staged(&vec![0u32; n + 1])?;
             let fold = Call {
-                bounds: Some(&none),
+                bounds: Some(&t.no_tokens),
                 ..*call
             };
             self.launch(&fold, stores, layer, exact)?;
         }
-        let (k, v, hv) = (g.k, g.v, g.hv);
-        let mut scratch = self.chunk_scratch.lock();
-        let wins = windows(&plan.bounds, max_chunks(scratch.1, hv, k, v));
-        let Some(most) = wins.iter().map(|w| w.chunks.len()).max() else {
+        if t.windows.is_empty() {
             return Ok(()); // no tokens: nothing to compute or store
-        };
+        }
         let input = call.inputs.map_or(g.ring_dtype, |i| i.q.dtype);
         let (prep, step) = chunk_kernels(&self.ctx, StepKey::of(g, input, BatchKind::Plain))?;
         let (prep_bytes, step_bytes) = (prep_smem(k, v), state_smem(k));
         prep.opt_in_smem(prep_bytes)?;
         step.opt_in_smem(step_bytes)?;
-        let lay = ScratchLayout::new(most, hv, k, v);
+        let lay = ScratchLayout::new(t.most, hv, k, v);
         if scratch.0.as_ref().is_none_or(|b| b.len() < 4 * lay.floats) {
             scratch.0 = None; // freed (stream-ordered) before the larger one is allocated
             scratch.0 = Some(self.mem.alloc_zeroed(4 * lay.floats)?);
@@ -606,9 +624,7 @@ impl CudaBackend {
         let epoch = *layer.epoch + 1;
         let err = self.err.lock();
         let params = self.call_params(call, layer, n, epoch, &err);
-        for w in &wins {
-            let chunks = self.mem.upload_staged(w.chunks.as_flattened())?;
-            let pieces = self.mem.upload_staged(w.pieces.as_flattened())?;
+        for (chunks, pieces, n_chunks, n_pieces) in &t.windows {
             let cp = ChunkParams {
                 chunks: chunks.device_ptr(s),
                 pieces: pieces.device_ptr(s),
@@ -619,17 +635,12 @@ impl CudaBackend {
                 aqk: at(lay.aqk),
                 gl: at(lay.gl),
                 carry: at(lay.carry),
-                n_chunks: w.chunks.len() as u32,
-                n_pieces: w.pieces.len() as u32,
+                n_chunks: *n_chunks as u32,
+                n_pieces: *n_pieces as u32,
             };
             for (kernel, ctas, threads, smem) in [
-                (&prep, w.chunks.len() * hv, PREP_THREADS, prep_bytes),
-                (
-                    &step,
-                    w.pieces.len() * hv * vblocks(v),
-                    STATE_THREADS,
-                    step_bytes,
-                ),
+                (&prep, n_chunks * hv, PREP_THREADS, prep_bytes),
+                (&step, n_pieces * hv * vblocks(v), STATE_THREADS, step_bytes),
             ] {
                 let cfg = LaunchConfig {
                     grid_dim: (ctas as u32, 1, 1),
@@ -643,17 +654,38 @@ impl CudaBackend {
                 // SAFETY: the kernels take (KdaParams, KdaChunkParams), which `params` and `cp`
                 // match (sizes checked at compile time); every pointer in them refers to a live
                 // allocation validated against the geometry and the batch, the window's tables
-                // and the scratch (sized by `ScratchLayout` for the window's chunks, kept by the
-                // backend; the tables freed stream-ordered after the launch); the grid is at
-                // most the window's chunks (or pieces x blocks) times the value heads, the
-                // block the kernels' launch bounds, the shared memory opted in above. Neither
-                // kernel waits on a previous grid, so none launches as a dependent launch.
+                // (kept with the batch) and the scratch (sized by `ScratchLayout` for the
+                // largest window's chunks, kept by the backend); the grid is at most the
+                // window's chunks (or pieces x blocks) times the value heads, the block the
+                // kernels' launch bounds, the shared memory opted in above. Neither kernel
+                // waits on a previous grid, so none launches as a dependent launch.
                 unsafe { launch_args(s, kernel.func(), cfg, &mut args, false) }
                     .map_err(|e| device_err(&format!("{} launch", kernel.name()), e))?;
             }
         }
         *layer.epoch = epoch;
         Ok(())
+    }
+
+    /// A batch's chunked-prefill tables (sequence `bounds`) for windows of at most `max`
+    /// chunks, uploaded without waiting for the stream.
+    fn chunk_tables(&self, bounds: &[usize], max: usize) -> Result<ChunkTables> {
+        let wins = windows(bounds, max);
+        let mut out = Vec::with_capacity(wins.len());
+        for w in &wins {
+            out.push((
+                self.mem.upload_staged(w.chunks.as_flattened())?,
+                self.mem.upload_staged(w.pieces.as_flattened())?,
+                w.chunks.len(),
+                w.pieces.len(),
+            ));
+        }
+        Ok(ChunkTables {
+            max_chunks: max,
+            most: wins.iter().map(|w| w.chunks.len()).max().unwrap_or(0),
+            windows: out,
+            no_tokens: self.mem.upload_staged(&vec![0u32; bounds.len()])?,
+        })
     }
 
     /// The host-side checks of a call (see [`CudaBackend::run`]).
@@ -1209,6 +1241,7 @@ impl Backend for CudaBackend {
             bounds,
             slots,
             live: None,
+            chunk_tables: Mutex::new(None),
         })
     }
 
@@ -1223,6 +1256,7 @@ impl Backend for CudaBackend {
             bounds,
             slots,
             live: Some(live),
+            chunk_tables: Mutex::new(None),
         })
     }
 
