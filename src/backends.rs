@@ -15,6 +15,24 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// The `--prefill-kernel` flag's values (the CUDA backend's prefill kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrefillKernelArg {
+    /// `kda_step`, token by token (the default).
+    Steps,
+    /// The chunked kernels (`kda_chunk_prep`, `kda_chunk_state`).
+    Chunked,
+}
+
+impl From<PrefillKernelArg> for kda_kernels::PrefillKernel {
+    fn from(k: PrefillKernelArg) -> Self {
+        match k {
+            PrefillKernelArg::Steps => Self::Steps,
+            PrefillKernelArg::Chunked => Self::Chunked,
+        }
+    }
+}
+
 /// Work that runs on any backend: the CLI picks the backend, the task is generic over it.
 pub trait BackendTask {
     /// What the task produces.

@@ -300,3 +300,34 @@ fn cuda_backend_simulates_on_cuda_or_is_refused_never_run_on_the_cpu() {
         assert!(err.contains("--backend cuda"), "{err}");
     }
 }
+
+#[test]
+fn a_prefill_kernel_on_the_cpu_backend_is_one_usage_line() {
+    let mut args = SMALL.to_vec();
+    args.extend_from_slice(&["--prefill-kernel", "chunked"]);
+    let o = kda_pool(&args, &[]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
+    assert!(
+        err.contains("--prefill-kernel chunked") && err.contains("--backend cuda"),
+        "{err}"
+    );
+}
+
+#[test]
+fn chunked_prefill_simulates_on_cuda_or_is_refused() {
+    let mut args = SMALL.to_vec();
+    args.extend_from_slice(&["--backend", "cuda", "--prefill-kernel", "chunked", "--json"]);
+    let o = kda_pool(&args, &[]);
+    if o.status.success() {
+        let j: Value = serde_json::from_slice(&o.stdout).expect("--json prints one object");
+        assert_eq!(j["backend"], "cuda", "{j:#}");
+        assert_eq!(j["ok"], Value::Bool(true), "{j:#}");
+    } else {
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
+        assert!(err.contains("--backend cuda"), "{err}");
+    }
+}

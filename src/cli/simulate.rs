@@ -15,7 +15,7 @@ use kda_kernels::Backend;
 use state_pool::{sizing, Dtype, DtypeInput, ModelConfig, PoolConfig, PoolGeometry};
 
 use super::CliError;
-use crate::backends::BackendKind;
+use crate::backends::{BackendKind, PrefillKernelArg};
 use crate::simulate::engine::EngineConfig;
 use crate::simulate::summary::{ModelSummary, Summary};
 use crate::simulate::workload::WorkloadSpec;
@@ -92,6 +92,10 @@ pub struct Args {
     /// of a fixed size does; N at most the pool's request and checkpoint slots.
     #[arg(long, value_name = "N")]
     pub pad_to: Option<usize>,
+    /// The CUDA backend's prefill kernel: steps (token by token, its default) or chunked
+    /// (--backend cuda only).
+    #[arg(long, value_enum, value_name = "K")]
+    pub prefill_kernel: Option<PrefillKernelArg>,
     /// Print one JSON object instead of the text summary.
     #[arg(long)]
     pub json: bool,
@@ -113,6 +117,13 @@ fn check_args(args: &Args) -> Result<(), CliError> {
         if value == 0 {
             return Err(usage(format!("{name} 0: expected a positive integer")));
         }
+    }
+    if let (Some(k), BackendKind::Cpu) = (args.prefill_kernel, args.backend) {
+        return Err(usage(format!(
+            "--prefill-kernel {}: chooses the CUDA backend's prefill (the CPU backend's is \
+             always chunked); use it with --backend cuda",
+            format!("{k:?}").to_lowercase()
+        )));
     }
     if let Some(n) = args.pad_to {
         let slots = args.max_running + args.checkpoint_slots;
@@ -169,7 +180,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
     // the backend first: where CUDA is not available that is the one line printed
     match args.backend {
         BackendKind::Cpu => run_on(&kda_kernels::cpu::CpuBackend::new(), args),
-        BackendKind::Cuda => run_on(&crate::backends::cuda_backend()?, args),
+        BackendKind::Cuda => {
+            let be = crate::backends::cuda_backend()?;
+            be.set_prefill_kernel(args.prefill_kernel.map(Into::into))
+                .map_err(|e| CliError::Failed(format!("--prefill-kernel: {e}")))?;
+            run_on(&be, args)
+        }
     }
 }
 

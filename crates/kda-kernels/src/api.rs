@@ -323,7 +323,8 @@ pub trait Backend: Send + Sync {
     /// slots, a slot out of range or twice is an argument error and changes nothing.
     fn update_batch(&self, batch: &mut Self::Batch, slots: &[u32]) -> Result<()>;
 
-    /// Varlen prefill (the chunked form on the CPU, token by token on the CUDA backend): each
+    /// Varlen prefill (the chunked form on the CPU; on the CUDA backend token by token, or
+    /// chunked where `CudaBackend::set_prefill_kernel` asks for it): each
     /// sequence starts from its slot's true state (pending ring entries are folded first,
     /// drafts dropped), its final state is stored back once and its ring is left empty.
     fn prefill(

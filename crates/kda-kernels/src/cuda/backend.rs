@@ -1280,8 +1280,9 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    /// Prefill token by token on `kda_step` (the CPU backend's result up to the f32
-    /// arithmetic's order; not the chunked form, see docs/architecture.md).
+    /// Prefill token by token on `kda_step`, or with `PrefillKernel::Chunked` in chunks
+    /// (`kda_chunk_prep`, `kda_chunk_state`): the CPU backend's result up to the f32
+    /// arithmetic's order (docs/architecture.md).
     fn prefill(
         &self,
         batch: &CudaBatch,

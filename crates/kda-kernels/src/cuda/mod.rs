@@ -8,8 +8,8 @@
 //! - `lanes`, `eager_plan`, `ring_plan`, `chunk_plan`: the kernels' lane geometry and the launch
 //!   plans (pure functions of a call's shape: which kernel, how many warps, how much shared
 //!   memory, the chunked prefill's windows);
-//! - [`backend`]: [`CudaBackend`], the [`crate::Backend`] (prefill token by token, decode,
-//!   spec_verify, replay) and its synchronisation-free `enqueue_*` variants;
+//! - [`backend`]: [`CudaBackend`], the [`crate::Backend`] (prefill token by token or chunked,
+//!   decode, spec_verify, replay) and its synchronisation-free `enqueue_*` variants;
 //! - [`timing`]: CUDA graphs, events and the copy bandwidth for benchmarks.
 
 pub mod backend;
