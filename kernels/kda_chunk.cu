@@ -14,7 +14,8 @@
 //   carry) at the piece's start and stored, rounded to the pool's element, at its end.
 // Every exponent is a difference Gc_i - Gc_j with j <= i, or Gc itself, kept in log2 units
 // (exp2f), so nothing overflows for log-decays <= 0. A ring's pending entries are folded
-// first by kda_step (the backend's launch before these), which also empties the ring.
+// first by kda_chunk_state in f32 (no store in between), and kda_chunk_ring_reset empties the
+// ring after the last window.
 
 // Must match crates/kda-kernels/src/cuda/chunk_plan.rs (`ChunkParams`) field for field.
 struct KdaChunkParams {
@@ -57,6 +58,86 @@ __device__ __forceinline__ void store_out4(IT* p, float a, float b, float c, flo
     const IT x[4] = {KdaElem<IT>::from_f32(a), KdaElem<IT>::from_f32(b), KdaElem<IT>::from_f32(c),
                      KdaElem<IT>::from_f32(d)};
     kda_store_vec<IT, 4>(p, x);
+}
+
+// The slot's pending ring entries folded into the state's columns sS ([K][SS], f32) as tokens
+// without output (spec section 2: decay, v - k S, the rank-1 update), so the prefill starts from
+// the true state without a store in between (a 2-byte pool rounds it once, at the end). The
+// ring record is read here and cleared by kda_chunk_ring_reset after the call's last window.
+// `first`: the CTA that records a corrupt record in the error word (clamped, as kda_step does).
+__device__ __forceinline__ void fold_pending(const KdaParams& p, kda_u32 slot, kda_u32 hv, int v0, float* sS,
+                                             bool first) {
+    __shared__ float fk[K], fd[K], fv[BV], fu[BV], fred[STATE_THREADS / 32][BV + 1];
+    __shared__ float fbeta;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const kda_u32* meta = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
+    const kda_u32 len = meta[0], pending = meta[1];
+    const kda_u32 pend = min(min(pending, len), p.ring_len);
+    if (first && tid == 0 && (len > p.ring_len || pending > len)) {
+        kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
+        atomicOr(err, KDA_ERR_META);
+        atomicCAS(err + 1, KDA_NONE, slot);
+    }
+    const int h = (int)(hv / (p.hv / p.h));
+    const size_t entry = ring_entry_elems(p);
+    const float a_exp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
+    const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
+    for (kda_u32 e = 0; e < pend; ++e) {
+        const IT* base = reinterpret_cast<const IT*>(p.ring) + ((size_t)slot * p.ring_len + e) * entry;
+        const IT* kp = base + (size_t)h * K;
+        const IT* vp = base + ring_off_v(p, hv);
+        const IT* gp = base + ring_off_g(p, hv);
+        // the key's squared norm, the decays, the values of the columns, beta
+        float ss = 0.0f;
+        for (int kk = tid; kk < K; kk += blockDim.x) {
+            const float x = kda_load(kp[kk]);
+            fk[kk] = x;
+            ss += x * x;
+            fd[kk] = expf(log_decay_at(kda_load(gp[kk]), bias + kk, p, a_exp));
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) fred[warp][BV] = ss;
+        for (int cc = tid; cc < BV; cc += blockDim.x) fv[cc] = v0 + cc < V ? kda_load(vp[v0 + cc]) : 0.0f;
+        if (tid == 0) fbeta = act_beta(kda_load(base[ring_off_beta(p, hv)]), p);
+        __syncthreads();
+        if (p.l2norm) {
+            float tot = 0.0f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) tot += fred[w][BV];
+            const float nrm = sqrtf(tot + 1e-6f);
+            __syncthreads(); // every thread has read the sums
+            for (int kk = tid; kk < K; kk += blockDim.x) fk[kk] = fk[kk] / nrm;
+            __syncthreads();
+        }
+        // decay the rows, then k S per column
+        float part[BV];
+#pragma unroll
+        for (int cc = 0; cc < BV; ++cc) part[cc] = 0.0f;
+        for (int k = tid; k < K; k += blockDim.x) {
+#pragma unroll
+            for (int cc = 0; cc < BV; ++cc) {
+                const float x = sS[k * SS + cc] * fd[k];
+                sS[k * SS + cc] = x;
+                part[cc] += fk[k] * x;
+            }
+        }
+#pragma unroll
+        for (int cc = 0; cc < BV; ++cc) {
+            const float x = warp_sum(part[cc]);
+            if (lane == 0) fred[warp][cc] = x;
+        }
+        __syncthreads();
+        if (tid < BV) {
+            float ks = 0.0f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ks += fred[w][tid];
+            fu[tid] = fbeta * (fv[tid] - ks);
+        }
+        __syncthreads();
+        for (int k = tid; k < K; k += blockDim.x) {
+#pragma unroll
+            for (int cc = 0; cc < BV; ++cc) sS[k * SS + cc] += fk[k] * fu[cc];
+        }
+        __syncthreads();
+    }
 }
 
 // Dynamic shared memory of kda_chunk_prep, floats (chunk_plan.rs computes the same).
@@ -263,6 +344,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         sS[k * SS + cc] = x;
     }
     __syncthreads();
+    if ((flags & KDA_PIECE_FROM_SLOT) && p.ring_len > 0) fold_pending(p, slot, hv, v0, sS, vb == 0 && hv == 0);
 
     // thread (row i, half): columns cc0 .. cc0 + 8 of chunk row i in phases A and B
     const int i = tid >> 1, cc0 = (tid & 1) * 8;
@@ -379,4 +461,15 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
             if (v < V) carry[(size_t)k * V + v] = sS[k * SS + cc];
         }
     }
+}
+
+// After a chunked prefill's last window on a pool with a ring: each sequence's ring left empty
+// (length, pending, arrivals, stored delta vectors), as a prefill must leave it (its pending
+// entries were folded by kda_chunk_state, its drafts dropped). One thread per sequence.
+extern "C" __global__ void __launch_bounds__(128) kda_chunk_ring_reset(const KdaParams p) {
+    const kda_u32 n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= p.n_seqs) return;
+    const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[n];
+    kda_u32* meta = reinterpret_cast<kda_u32*>(p.meta) + (size_t)slot * 4;
+    meta[0] = meta[1] = meta[2] = meta[3] = 0u;
 }

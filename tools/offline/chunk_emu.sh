@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 #   tools/offline/chunk_emu.sh
-# Runs the chunked prefill's kernels (kernels/kda_chunk.cu, with the helpers of
-# kernels/kda_common.cuh and the part of kernels/kda_decode.cu before its first kernel) on the
-# CPU: g++ compiles the unchanged kernel source against tools/offline/chunk_emu/emu_shim.h (a
-# host stand-in for the CUDA names: one thread per CUDA thread, barriers, warp shuffles) and
-# tools/offline/chunk_emu/emu_main.cpp checks the results against a float64 token recurrence
-# and windows of one chunk against one window (see there). Variants: every state dtype and
+# Runs the GPU's prefill kernels on the CPU: the chunked ones (kernels/kda_chunk.cu) and the
+# token loop (kda_step, with the helpers before it: the part of kernels/kda_decode.cu up to its
+# second kernel), with kernels/kda_common.cuh. g++ compiles the unchanged kernel source against
+# tools/offline/chunk_emu/emu_shim.h (a host stand-in for the CUDA names: one thread per CUDA
+# thread, barriers, warp shuffles) and tools/offline/chunk_emu/emu_main.cpp checks both
+# prefills against a float64 token recurrence, on eager pools and on pools with a ring (pending
+# entries folded first, a draft dropped), and windows of one chunk against one window (see
+# there). Variants: every state dtype and
 # layout, fp32 / bf16 / fp16 inputs, K x V of 32 x 48 and 128 x 128, stochastic rounding.
 # Needs g++ 12 (C++20, _Float16); no GPU. A check of what the kernels compute before they run
 # on a device, not of their speed or of races the barriers do not order.
@@ -29,10 +31,10 @@ for v in "${variants[@]}"; do
         grep -v '#include "kda_' kernels/kda_common.cuh
         printf '#define KDA_ST %s\n#define KDA_IT %s\n#define KDA_K %s\n#define KDA_V %s\n#define KDA_VFIRST %s\n#define EMU_SR %s\n' \
             "$st" "$it" "$k" "$vd" "$vf" "$sr"
-        awk '/^extern "C"/ { exit } { print }' kernels/kda_decode.cu | grep -v '#include "kda_'
+        awk '/^\/\/ Eager decode, pipelined/ { exit } { print }' kernels/kda_decode.cu | grep -v '#include "kda_'
         grep -v '#include "kda_' kernels/kda_chunk.cu
         cat tools/offline/chunk_emu/emu_main.cpp
-    } | sed 's/extern __shared__ __align__(16)/extern/' >"$tu"
+    } | sed 's/extern __shared__ __align__(16)/extern/; s/__shared__ __align__(16)/alignas(16) static/' >"$tu"
     g++ -std=c++20 -O2 -ffp-contract=off -pthread -w -Itools/offline/chunk_emu -o "${tu%.cpp}" "$tu"
     echo "== state $st, inputs $it, $([ "$vf" = 1 ] && echo V-first || echo K-first), K $k V $vd$([ "$sr" = 1 ] && echo ", stochastic rounding")"
     "${tu%.cpp}" || fails=$((fails + 1))

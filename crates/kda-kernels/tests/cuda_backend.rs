@@ -18,7 +18,7 @@ use kda_kernels::cuda::CudaBackend;
 use kda_kernels::testing::{
     assert_bits_eq, assert_layers_agree, assert_refused, bad_input_case, batch_plan,
     check_decode_matches_prefill, check_padded_batch_matches_plain_batches,
-    check_prefill_folds_the_ring_first, check_prefill_in_two_pieces_matches_one,
+    check_prefill_folds_the_ring_first_within, check_prefill_in_two_pieces_matches_one,
     check_prefill_matches_reference, check_rejects_bad_input, check_ring_decode_matches_eager,
     check_ring_rounds_once_per_commit, check_spec_verify_matches_eager, download, initial_states,
     layer_with_states, live_output, random_slots, rel_frobenius_f32, run_replay, run_tokens,
@@ -1272,7 +1272,7 @@ fn cuda_prefill_matches_the_f64_recurrence_for_every_pool_dtype_layout_and_ring(
 }
 
 #[test]
-fn cuda_prefill_folds_the_ring_first_as_eager_decode_then_prefill_bit_for_bit() {
+fn cuda_prefill_folds_the_ring_first_as_eager_decode_then_prefill() {
     let Some(cu) = cuda() else { return };
     for pk in PREFILL_KERNELS {
         eprintln!("prefill kernel {pk:?}");
@@ -1286,7 +1286,13 @@ fn cuda_prefill_folds_the_ring_first_as_eager_decode_then_prefill_bit_for_bit() 
                 case(2, 4, 32, 48, Dtype::Fp32, Dtype::Fp32, layout, ring_len),
                 &[40, 0, 9, 1],
             );
-            check_prefill_folds_the_ring_first(&cu, &c, 310 + ring_len as u64);
+            // the chunked kernels fold the pending entries with arithmetic of their own
+            let tol = if pk == PrefillKernel::Chunked {
+                1e-5
+            } else {
+                0.0
+            };
+            check_prefill_folds_the_ring_first_within(&cu, &c, 310 + ring_len as u64, tol);
         }
     }
 }

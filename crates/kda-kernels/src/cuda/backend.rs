@@ -2,7 +2,7 @@
 //! eager kernel for eager decode, a ring kernel with a ring, `kda_step` where neither fits
 //! (the launch plans of `eager_plan` and `ring_plan` choose) and for prefill, which it runs
 //! token by token, or chunked ([`PrefillKernel::Chunked`]: two kernels per window of chunks,
-//! after a `kda_step` launch that folds a ring's pending entries).
+//! then with a ring one that empties the rings).
 //!
 //! Two ways in:
 //! - the [`Backend`] methods validate everything on the host, exactly like the CPU backend:
@@ -71,15 +71,15 @@ pub struct CudaBatch {
     chunk_tables: Mutex<Option<ChunkTables>>,
 }
 
-/// A batch's chunked-prefill tables on the device, for windows of at most `max_chunks` chunks.
+/// A batch's chunked-prefill tables on the device, for windows of at most `max_chunks` chunks
+/// (with pieces for empty sequences where `keep_empty`: pools with a ring).
 struct ChunkTables {
     max_chunks: usize,
+    keep_empty: bool,
     /// Per window: its chunks and pieces (`chunk_plan::Window`) and their counts.
     windows: Vec<(CudaBuffer, CudaBuffer, usize, usize)>,
     /// Chunks of the largest window.
     most: usize,
-    /// `u32 [N + 1]` zeros: the bounds of a prefill of no tokens (the ring's fold).
-    no_tokens: CudaBuffer,
 }
 
 impl CudaBatch {
@@ -557,7 +557,7 @@ impl CudaBackend {
     fn run(&self, call: Call<'_, '_>, layer: &mut LayerMut<'_, Buf>, exact: bool) -> Result<()> {
         let checked = self.validate(&call, layer, exact)?;
         if self.chunked(&call, layer.geometry) {
-            return self.launch_chunked(&call, checked.stores, layer, exact);
+            return self.launch_chunked(&call, layer);
         }
         self.launch(&call, checked.stores, layer, exact)
     }
@@ -571,18 +571,13 @@ impl CudaBackend {
             && chunk_supported(g.k, g.v, self.smem_optin)
     }
 
-    /// The chunked prefill of a validated call: with a ring, first `kda_step` on a prefill of no
-    /// tokens (it folds each slot's pending entries into its state, drops the drafts and empties
-    /// the ring, as a prefill must before its tokens); then per window of chunks
-    /// (`chunk_plan::windows`, within the scratch budget) `kda_chunk_prep` over every (chunk,
-    /// value head) and `kda_chunk_state` over every (piece, value head, block of columns).
-    fn launch_chunked(
-        &self,
-        call: &Call<'_, '_>,
-        stores: bool,
-        layer: &mut LayerMut<'_, Buf>,
-        exact: bool,
-    ) -> Result<()> {
+    /// The chunked prefill of a validated call: per window of chunks (`chunk_plan::windows`,
+    /// within the scratch budget) `kda_chunk_prep` over every (chunk, value head) and
+    /// `kda_chunk_state` over every (piece, value head, block of columns), which folds a ring's
+    /// pending entries into the state first (in f32, so a 2-byte pool rounds the state once);
+    /// with a ring, then `kda_chunk_ring_reset` leaves every sequence's ring empty (its drafts
+    /// dropped).
+    fn launch_chunked(&self, call: &Call<'_, '_>, layer: &mut LayerMut<'_, Buf>) -> Result<()> {
         let g = layer.geometry;
         let plan = call.batch.plans.as_ref();
         let n = plan.num_seqs();
@@ -592,23 +587,21 @@ impl CudaBackend {
         let (k, v, hv) = (g.k, g.v, g.hv);
         let mut scratch = self.chunk_scratch.lock();
         let max = max_chunks(scratch.1, hv, k, v);
+        let keep_empty = g.ring_len > 0;
         let mut tables = call.batch.chunk_tables.lock();
-        if tables.as_ref().is_none_or(|t| t.max_chunks != max) {
-            *tables = Some(self.chunk_tables(&plan.bounds, max)?);
+        if tables
+            .as_ref()
+            .is_none_or(|t| t.max_chunks != max || t.keep_empty != keep_empty)
+        {
+            *tables = Some(self.chunk_tables(&plan.bounds, max, keep_empty)?);
         }
         let t = tables.as_ref().expect("built above");
-        if g.ring_len > 0 {
-            let fold = Call {
-                bounds: Some(&t.no_tokens),
-                ..*call
-            };
-            self.launch(&fold, stores, layer, exact)?;
-        }
         if t.windows.is_empty() {
-            return Ok(()); // no tokens: nothing to compute or store
+            return Ok(()); // no tokens and no ring: nothing to compute or store
         }
         let input = call.inputs.map_or(g.ring_dtype, |i| i.q.dtype);
-        let (prep, step) = chunk_kernels(&self.ctx, StepKey::of(g, input, BatchKind::Plain))?;
+        let (prep, step, reset) =
+            chunk_kernels(&self.ctx, StepKey::of(g, input, BatchKind::Plain))?;
         let (prep_bytes, step_bytes) = (prep_smem(k, v), state_smem(k));
         prep.opt_in_smem(prep_bytes)?;
         step.opt_in_smem(step_bytes)?;
@@ -642,6 +635,9 @@ impl CudaBackend {
                 (&prep, n_chunks * hv, PREP_THREADS, prep_bytes),
                 (&step, n_pieces * hv * vblocks(v), STATE_THREADS, step_bytes),
             ] {
+                if ctas == 0 {
+                    continue; // a window of empty sequences only: no chunk to prepare
+                }
                 let cfg = LaunchConfig {
                     grid_dim: (ctas as u32, 1, 1),
                     block_dim: (threads as u32, 1, 1),
@@ -663,14 +659,27 @@ impl CudaBackend {
                     .map_err(|e| device_err(&format!("{} launch", kernel.name()), e))?;
             }
         }
+        if g.ring_len > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(128) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `kda_chunk_ring_reset` takes the KdaParams `params` matches; it writes
+            // the ring records (`meta`, validated with the layer) of the batch's `n` slots, one
+            // thread each, ordered on the stream after the state kernels that read them.
+            unsafe { launch_kda(s, reset.func(), cfg, &params, false) }
+                .map_err(|e| device_err(&format!("{} launch", reset.name()), e))?;
+        }
         *layer.epoch = epoch;
         Ok(())
     }
 
     /// A batch's chunked-prefill tables (sequence `bounds`) for windows of at most `max`
-    /// chunks, uploaded without waiting for the stream.
-    fn chunk_tables(&self, bounds: &[usize], max: usize) -> Result<ChunkTables> {
-        let wins = windows(bounds, max);
+    /// chunks (`keep_empty`: pieces for empty sequences), uploaded without waiting for the
+    /// stream.
+    fn chunk_tables(&self, bounds: &[usize], max: usize, keep_empty: bool) -> Result<ChunkTables> {
+        let wins = windows(bounds, max, keep_empty);
         let mut out = Vec::with_capacity(wins.len());
         for w in &wins {
             out.push((
@@ -682,9 +691,9 @@ impl CudaBackend {
         }
         Ok(ChunkTables {
             max_chunks: max,
+            keep_empty,
             most: wins.iter().map(|w| w.chunks.len()).max().unwrap_or(0),
             windows: out,
-            no_tokens: self.mem.upload_staged(&vec![0u32; bounds.len()])?,
         })
     }
 
@@ -749,8 +758,8 @@ impl CudaBackend {
     }
 
     /// The fields of a call's parameter block that its launch plan does not decide (those are
-    /// left 0): the tensors, the layer's planes, the batch (or `call.bounds`), the options,
-    /// the rounding, `n` sequences and the store `epoch`.
+    /// left 0): the tensors, the layer's planes, the batch, the options, the rounding, `n`
+    /// sequences and the store `epoch`.
     fn call_params(
         &self,
         call: &Call<'_, '_>,
@@ -791,7 +800,7 @@ impl CudaBackend {
             ring: ptr(layer.ring),
             meta: ptr(layer.meta),
             delta: ptr(layer.delta),
-            bounds: ptr(call.bounds.unwrap_or(&call.batch.bounds)),
+            bounds: ptr(&call.batch.bounds),
             slots: ptr(&call.batch.slots),
             accepted: call.accepted.map_or(0, |a| ptr(a.buf)),
             err: ptr(err),
@@ -1149,7 +1158,6 @@ unsafe fn launch_args(
 }
 
 /// One call's arguments, before validation.
-#[derive(Clone, Copy)]
 struct Call<'a, 'b> {
     op: Op,
     code: OpCode,
@@ -1162,9 +1170,6 @@ struct Call<'a, 'b> {
     /// Output dtype, elements, buffer bytes.
     out_shape: Option<(Dtype, usize, usize)>,
     out_buf: Option<&'a CudaBuffer>,
-    /// Sequence bounds on the device in place of the batch's (the chunked prefill's fold: a
-    /// prefill of no tokens).
-    bounds: Option<&'a CudaBuffer>,
 }
 
 impl<'a, 'b> Call<'a, 'b> {
@@ -1192,7 +1197,6 @@ impl<'a, 'b> Call<'a, 'b> {
             opts,
             out_shape: Some((out.dtype, out.len, out.buf.len())),
             out_buf: Some(&*out.buf),
-            bounds: None,
         }
     }
 
@@ -1214,7 +1218,6 @@ impl<'a, 'b> Call<'a, 'b> {
             opts,
             out_shape: None,
             out_buf: None,
-            bounds: None,
         }
     }
 }

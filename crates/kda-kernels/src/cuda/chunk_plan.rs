@@ -121,13 +121,19 @@ pub(crate) struct Window {
 /// [`BT`] tokens, packed in order into windows of at most `max_chunks` chunks (at least 1).
 /// A sequence that does not end in a window continues in the next one, which then starts with
 /// it: so at most one sequence is open across a window's end (the carry holds its state).
-/// Sequences of no tokens have no piece (their state is left as it is).
-pub(crate) fn windows(bounds: &[usize], max_chunks: usize) -> Vec<Window> {
+/// Sequences of no tokens have no piece (their state is left as it is), unless `keep_empty` (a
+/// pool with a ring, where such a sequence's pending entries are still folded and its state
+/// stored): then a piece of no chunks in the window that is open at that point.
+pub(crate) fn windows(bounds: &[usize], max_chunks: usize, keep_empty: bool) -> Vec<Window> {
     let max_chunks = max_chunks.max(1);
     let mut out: Vec<Window> = Vec::new();
     let mut cur = Window::default();
     for (seq, b) in bounds.windows(2).enumerate() {
         let (start, end) = (b[0], b[1]);
+        if start == end && keep_empty {
+            cur.pieces
+                .push([cur.chunks.len() as u32, 0, seq as u32, FROM_SLOT | TO_SLOT]);
+        }
         let mut tok = start;
         while tok < end {
             if cur.chunks.len() == max_chunks {
@@ -148,7 +154,7 @@ pub(crate) fn windows(bounds: &[usize], max_chunks: usize) -> Vec<Window> {
                 .push([first_chunk, n, seq as u32, from_slot | to_slot]);
         }
     }
-    if !cur.chunks.is_empty() {
+    if !cur.pieces.is_empty() {
         out.push(cur);
     }
     out
@@ -206,7 +212,7 @@ mod tests {
 
     #[test]
     fn a_long_sequence_continues_through_the_carry() {
-        let w = windows(&[0, 200, 200, 210], 2);
+        let w = windows(&[0, 200, 200, 210], 2, false);
         // 200 tokens: chunks of 64, 64, 64, 8; then 10 tokens
         assert_eq!(w.len(), 3);
         assert_eq!(w[0].chunks, vec![[0, 64], [64, 64]]);
@@ -216,6 +222,20 @@ mod tests {
         // the empty sequence 1 has no piece
         assert_eq!(w[2].chunks, vec![[200, 10]]);
         assert_eq!(w[2].pieces, vec![[0, 1, 2, FROM_SLOT | TO_SLOT]]);
+        // with a ring it has one of no chunks (its pending entries folded, its state stored),
+        // in the window open when it comes (here the full second one)
+        let w = windows(&[0, 200, 200, 210], 2, true);
+        assert_eq!(
+            w[1].pieces,
+            vec![[0, 2, 0, TO_SLOT], [2, 0, 1, FROM_SLOT | TO_SLOT]]
+        );
+        assert_eq!(w[2].pieces, vec![[0, 1, 2, FROM_SLOT | TO_SLOT]]);
+        // a call of empty sequences only: one window of pieces and no chunks
+        let w = windows(&[0, 0, 0], 4, true);
+        assert_eq!(w.len(), 1);
+        assert!(w[0].chunks.is_empty());
+        assert_eq!(w[0].pieces.len(), 2);
+        assert!(windows(&[0, 0, 0], 4, false).is_empty());
     }
 
     proptest! {
@@ -228,22 +248,30 @@ mod tests {
         fn windows_cover_every_token_once_in_order(
             lens in proptest::collection::vec(0usize..300, 0..8),
             max in 1usize..12,
+            keep_empty in proptest::bool::ANY,
         ) {
             let mut bounds = vec![0usize];
             for l in &lens {
                 bounds.push(bounds.last().unwrap() + l);
             }
-            let ws = windows(&bounds, max);
+            let ws = windows(&bounds, max, keep_empty);
             let mut next_tok = 0usize;
             let mut open: Option<u32> = None;
             let mut seen = vec![0usize; lens.len()];
+            let mut empties = 0;
             for w in &ws {
-                prop_assert!(!w.chunks.is_empty() && w.chunks.len() <= max);
+                prop_assert!(!w.pieces.is_empty() && w.chunks.len() <= max);
                 let mut covered = 0u32;
                 for (pi, p) in w.pieces.iter().enumerate() {
                     let [c0, n, seq, flags] = *p;
                     prop_assert_eq!(c0, covered, "pieces tile the window's chunks");
-                    prop_assert!(n >= 1);
+                    if n == 0 {
+                        // an empty sequence of a pool with a ring: from and to its slot
+                        prop_assert!(keep_empty && lens[seq as usize] == 0);
+                        prop_assert_eq!(flags, FROM_SLOT | TO_SLOT);
+                        empties += 1;
+                        continue;
+                    }
                     covered += n;
                     let s = seq as usize;
                     prop_assert_eq!(flags & FROM_SLOT == 0, open == Some(seq));
@@ -270,6 +298,7 @@ mod tests {
                 prop_assert_eq!(covered as usize, w.chunks.len());
             }
             prop_assert_eq!(open, None);
+            prop_assert_eq!(empties, if keep_empty { lens.iter().filter(|&&l| l == 0).count() } else { 0 });
             prop_assert_eq!(seen, lens);
         }
     }

@@ -94,6 +94,7 @@ enum Key {
     RingDeltaStaged(StepKey),
     ChunkPrep(StepKey),
     ChunkState(StepKey),
+    ChunkRingReset(StepKey),
     Fill,
     Copy,
 }
@@ -119,6 +120,7 @@ impl Key {
             Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
             Key::ChunkPrep(_) => "kda_chunk_prep",
             Key::ChunkState(_) => "kda_chunk_state",
+            Key::ChunkRingReset(_) => "kda_chunk_ring_reset",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
         }
@@ -143,13 +145,14 @@ impl Key {
             | Key::RingDelta(k)
             | Key::RingDeltaStaged(k)
             | Key::ChunkPrep(k)
-            | Key::ChunkState(k) => ModuleKey::Step(k),
+            | Key::ChunkState(k)
+            | Key::ChunkRingReset(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
     }
 }
 
-/// What one module is compiled from: a `kda_step` specialisation (seventeen kernels) or the fill
+/// What one module is compiled from: a `kda_step` specialisation (eighteen kernels) or the fill
 /// source (two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum ModuleKey {
@@ -158,7 +161,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 17] {
+fn step_module(k: StepKey) -> [Key; 18] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -177,6 +180,7 @@ fn step_module(k: StepKey) -> [Key; 17] {
         Key::RingDeltaStaged(k),
         Key::ChunkPrep(k),
         Key::ChunkState(k),
+        Key::ChunkRingReset(k),
     ]
 }
 
@@ -500,12 +504,16 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<Kernel
     get(ctx, Key::Step(key))
 }
 
-/// The chunked prefill's kernels specialised on `key` (`kda_chunk_prep`, `kda_chunk_state`;
-/// same module as `kda_step`), compiled on first use.
-pub(crate) fn chunk_kernels(ctx: &Arc<CudaContext>, key: StepKey) -> Result<(Kernel, Kernel)> {
+/// The chunked prefill's kernels specialised on `key` (`kda_chunk_prep`, `kda_chunk_state`,
+/// `kda_chunk_ring_reset`; same module as `kda_step`), compiled on first use.
+pub(crate) fn chunk_kernels(
+    ctx: &Arc<CudaContext>,
+    key: StepKey,
+) -> Result<(Kernel, Kernel, Kernel)> {
     Ok((
         get(ctx, Key::ChunkPrep(key))?,
         get(ctx, Key::ChunkState(key))?,
+        get(ctx, Key::ChunkRingReset(key))?,
     ))
 }
 
@@ -660,7 +668,8 @@ mod tests {
                 "kda_ring_delta",
                 "kda_ring_delta_staged",
                 "kda_chunk_prep",
-                "kda_chunk_state"
+                "kda_chunk_state",
+                "kda_chunk_ring_reset"
             ]
         );
     }
