@@ -1490,6 +1490,85 @@ fn cuda_enqueued_prefills_give_the_bits_of_synchronous_prefills() {
 }
 
 #[test]
+fn cuda_prefill_after_pending_ring_entries_rounds_a_two_byte_state_once() {
+    // Two decode steps append pending entries (a ring of 4: no commit), then a prefill folds
+    // them and runs its tokens: against the f64 recurrence of the decode tokens and the prompt
+    // from the initial states, at the tolerance of one rounding of the stored state (a fold
+    // that stored the state in between would round it twice: about 4e-5 for fp16, 5e-4 for
+    // bf16 on the outputs of fp32 inputs, where the bound is 1e-5).
+    let Some(cu) = cuda() else { return };
+    for pk in PREFILL_KERNELS {
+        eprintln!("prefill kernel {pk:?}");
+        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+        for state in [Dtype::Fp16, Dtype::Bf16] {
+            let c = prefill_case(
+                case(2, 4, 32, 48, state, Dtype::Fp32, StateLayout::KFirst, 4),
+                &[70, 0, 9],
+            );
+            let mut rng = StdRng::seed_from_u64(360);
+            let init = initial_states(&c, &mut rng);
+            let mut layer = layer_with_states(&cu, &c, &init, &mut rng);
+            let n = c.slots.len();
+            let lens: Vec<usize> = c.seq_lens.iter().map(|l| l + 2).collect();
+            let all_bounds = kda_kernels::testing::bounds_of(&lens);
+            let all = HostInputs::random(&mut rng, c.dims(), all_bounds[n], &c.opts, c.input_dtype);
+            // sequence i's tokens: its two decode tokens, then its prompt
+            let ones: Vec<usize> = (0..=n).collect();
+            for step in 0..2 {
+                let idx: Vec<usize> = (0..n).map(|i| all_bounds[i] + step).collect();
+                run_tokens(
+                    &cu,
+                    &mut layer,
+                    TokenOp::Decode,
+                    &ones,
+                    &c.slots,
+                    &all.gather(&idx),
+                    &c.opts,
+                )
+                .expect("ring decode");
+            }
+            let prompt: Vec<usize> = (0..n)
+                .flat_map(|i| all_bounds[i] + 2..all_bounds[i + 1])
+                .collect();
+            let out = run_tokens(
+                &cu,
+                &mut layer,
+                TokenOp::Prefill,
+                &c.bounds(),
+                &c.slots,
+                &all.gather(&prompt),
+                &c.opts,
+            )
+            .expect("prefill");
+            let (ref_all, ref_state) = kda_kernels::cpu::reference::reference_run(
+                c.dims(),
+                &all.as_ref_inputs(),
+                &c.opts,
+                &all_bounds,
+                kda_kernels::testing::to_f64(&init),
+            )
+            .expect("reference");
+            let row = c.hv * c.v;
+            let ref_out: Vec<f64> = prompt
+                .iter()
+                .flat_map(|&t| ref_all[t * row..(t + 1) * row].iter().copied())
+                .collect();
+            let states = layer.read_states(cu.memory(), &c.slots).expect("read");
+            let (eo, es) = (
+                kda_kernels::testing::rel_frobenius(&out, &ref_out),
+                kda_kernels::testing::rel_frobenius(&states, &ref_state),
+            );
+            let (to, ts) = (
+                kda_kernels::testing::output_tolerance(&c),
+                kda_kernels::testing::state_tolerance(&c),
+            );
+            assert!(eo <= to, "{pk:?} {state}: outputs {eo:.3e} > {to:.3e}");
+            assert!(es <= ts, "{pk:?} {state}: states {es:.3e} > {ts:.3e}");
+        }
+    }
+}
+
+#[test]
 fn cuda_chunked_prefill_in_windows_of_one_chunk_gives_the_bits_of_one_window() {
     // A scratch budget of one chunk per window: every sequence longer than a chunk goes from
     // window to window through the f32 carry, which must change no bit of the outputs and
