@@ -1219,6 +1219,16 @@ fn cuda_refuses_bad_input_and_leaves_the_pool_unchanged() {
 /// The prefill kernels every GPU prefill test runs with.
 const PREFILL_KERNELS: [PrefillKernel; 2] = [PrefillKernel::Steps, PrefillKernel::Chunked];
 
+/// Runs `body` with each of [`PREFILL_KERNELS`] set on `cu` (named first, so that a failure's
+/// output says which).
+fn each_prefill_kernel(cu: &CudaBackend, mut body: impl FnMut(PrefillKernel)) {
+    for pk in PREFILL_KERNELS {
+        eprintln!("prefill kernel {pk:?}");
+        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+        body(pk);
+    }
+}
+
 /// A prefill case: `lens` tokens in scattered slots of a larger pool.
 fn prefill_case(c: Case, lens: &[usize]) -> Case {
     let slots: Vec<u32> = (0..lens.len() as u32).map(|i| 2 * i + 1).collect();
@@ -1228,9 +1238,7 @@ fn prefill_case(c: Case, lens: &[usize]) -> Case {
 #[test]
 fn cuda_prefill_matches_the_f64_recurrence_for_every_pool_dtype_layout_and_ring() {
     let Some(cu) = cuda() else { return };
-    for pk in PREFILL_KERNELS {
-        eprintln!("prefill kernel {pk:?}");
-        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+    each_prefill_kernel(&cu, |_| {
         let mut seed = 300;
         for state in Dtype::ALL {
             for layout in [StateLayout::KFirst, StateLayout::VFirst] {
@@ -1268,15 +1276,13 @@ fn cuda_prefill_matches_the_f64_recurrence_for_every_pool_dtype_layout_and_ring(
             };
             check_prefill_matches_reference(&cu, &c, 399);
         }
-    }
+    });
 }
 
 #[test]
 fn cuda_prefill_folds_the_ring_first_as_eager_decode_then_prefill() {
     let Some(cu) = cuda() else { return };
-    for pk in PREFILL_KERNELS {
-        eprintln!("prefill kernel {pk:?}");
-        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+    each_prefill_kernel(&cu, |pk| {
         for (ring_len, layout) in [
             (1, StateLayout::KFirst),
             (3, StateLayout::VFirst),
@@ -1294,15 +1300,13 @@ fn cuda_prefill_folds_the_ring_first_as_eager_decode_then_prefill() {
             };
             check_prefill_folds_the_ring_first_within(&cu, &c, 310 + ring_len as u64, tol);
         }
-    }
+    });
 }
 
 #[test]
 fn cuda_prefill_after_delta_ring_decodes_matches_the_cpu_backend() {
     let Some(cu) = cuda() else { return };
-    for pk in PREFILL_KERNELS {
-        eprintln!("prefill kernel {pk:?}");
-        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+    each_prefill_kernel(&cu, |_| {
         for state in Dtype::ALL {
             let c = Case {
                 ring_deltas: true,
@@ -1313,7 +1317,7 @@ fn cuda_prefill_after_delta_ring_decodes_matches_the_cpu_backend() {
             };
             check_prefill_after_ring_decodes(&cu, &c, 320);
         }
-    }
+    });
 }
 
 /// Ring decodes (on the GPU `kda_ring_delta` where the pool has a delta plane), a verify whose
@@ -1405,9 +1409,7 @@ fn cuda_enqueued_prefills_give_the_bits_of_synchronous_prefills() {
     // against the same prefills through `Backend::prefill` on a twin layer, with a ring (its
     // pending entries folded by the first) and without
     let Some(cu) = cuda() else { return };
-    for pk in PREFILL_KERNELS {
-        eprintln!("prefill kernel {pk:?}");
-        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+    each_prefill_kernel(&cu, |_| {
         for (state, ring_len) in [(Dtype::Fp32, 0), (Dtype::Bf16, 3)] {
             let c = case(
                 2,
@@ -1486,7 +1488,7 @@ fn cuda_enqueued_prefills_give_the_bits_of_synchronous_prefills() {
             }
             assert_twins_agree(&cu, 3, &c.slots, &queued, &single);
         }
-    }
+    });
 }
 
 #[test]
@@ -1497,9 +1499,7 @@ fn cuda_prefill_after_pending_ring_entries_rounds_a_two_byte_state_once() {
     // that stored the state in between would round it twice: about 4e-5 for fp16, 5e-4 for
     // bf16 on the outputs of fp32 inputs, where the bound is 1e-5).
     let Some(cu) = cuda() else { return };
-    for pk in PREFILL_KERNELS {
-        eprintln!("prefill kernel {pk:?}");
-        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+    each_prefill_kernel(&cu, |pk| {
         for state in [Dtype::Fp16, Dtype::Bf16] {
             let c = prefill_case(
                 case(2, 4, 32, 48, state, Dtype::Fp32, StateLayout::KFirst, 4),
@@ -1565,7 +1565,7 @@ fn cuda_prefill_after_pending_ring_entries_rounds_a_two_byte_state_once() {
             assert!(eo <= to, "{pk:?} {state}: outputs {eo:.3e} > {to:.3e}");
             assert!(es <= ts, "{pk:?} {state}: states {es:.3e} > {ts:.3e}");
         }
-    }
+    });
 }
 
 #[test]
@@ -1629,9 +1629,7 @@ fn cuda_chunked_prefill_in_windows_of_one_chunk_gives_the_bits_of_one_window() {
 #[test]
 fn cuda_prefill_equals_decode_token_by_token_and_prefill_in_two_pieces() {
     let Some(cu) = cuda() else { return };
-    for pk in PREFILL_KERNELS {
-        eprintln!("prefill kernel {pk:?}");
-        cu.set_prefill_kernel(Some(pk)).expect("prefill kernel");
+    each_prefill_kernel(&cu, |_| {
         for (state, ring_len) in [(Dtype::Fp32, 0), (Dtype::Fp16, 0), (Dtype::Bf16, 4)] {
             let c = prefill_case(
                 case(
@@ -1649,7 +1647,7 @@ fn cuda_prefill_equals_decode_token_by_token_and_prefill_in_two_pieces() {
             check_decode_matches_prefill(&cu, &c, 330);
             check_prefill_in_two_pieces_matches_one(&cu, &c, &[9, 0, 7], 331);
         }
-    }
+    });
 }
 
 #[test]
