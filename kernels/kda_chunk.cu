@@ -23,7 +23,6 @@ struct KdaChunkParams {
     kda_u64 pieces;               // u32 [n_pieces][4]: first chunk, chunks, sequence, flags
     kda_u64 w, qg, kg, u, aqk, gl; // f32 scratch, per (chunk, value head): [BT][K] x 3, [BT][V], [BT][BT], [K]
     kda_u64 carry;                // f32 [HV][K][V]: the state of the sequence a window leaves open
-    kda_u32 n_chunks, n_pieces;
 };
 
 #define KDA_PIECE_FROM_SLOT 1u // the piece starts from the slot's state (else from the carry)
@@ -140,18 +139,13 @@ __device__ __forceinline__ void fold_pending(const KdaParams& p, kda_u32 slot, k
     }
 }
 
-// Dynamic shared memory of kda_chunk_prep, floats (chunk_plan.rs computes the same).
-constexpr int PREP_SMEM_FLOATS = 3 * BT * CK + BT * CV + BT * CA + BT;
-// Dynamic shared memory of kda_chunk_state, floats.
-constexpr int STATE_SMEM_FLOATS = K * SS + BT * SS;
-
 } // namespace kda
 
 // One CTA per (chunk of the window, value head): blockIdx.x = chunk * HV + hv.
 extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(const KdaParams p,
                                                                               const KdaChunkParams c) {
     using namespace kda;
-    extern __shared__ __align__(16) float csm[];
+    extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's prep_smem
     float* sK = csm;             // [BT][CK] activated keys
     float* sQ = sK + BT * CK;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w
     float* sG = sQ + BT * CK;    // [BT][CK] log-decays; then Gc in log2 units
@@ -323,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state(const KdaParams p,
                                                                                 const KdaChunkParams c) {
     using namespace kda;
-    extern __shared__ __align__(16) float csm[];
+    extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's state_smem
     float* sS = csm;          // [K][SS] the state's columns v0 .. v0 + BV
     float* sN = sS + K * SS;  // [BT][SS] v_new of the chunk
     const int tid = threadIdx.x;

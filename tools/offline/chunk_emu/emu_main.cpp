@@ -203,8 +203,6 @@ static void run_chunked(Problem& pb, size_t max_chunks) {
         c.aqk = (kda_u64)aqk.data();
         c.gl = (kda_u64)gl.data();
         c.carry = (kda_u64)carry.data();
-        c.n_chunks = (u32)win.chunks.size();
-        c.n_pieces = (u32)win.pieces.size();
         auto fresh_smem = [] { std::fill(std::begin(csm), std::end(csm), NAN); };
         emu_launch((u32)(win.chunks.size() * pb.hv), kda::PREP_THREADS, [&] { kda_chunk_prep(p, c); }, fresh_smem);
         constexpr u32 VB = (V + kda::BV - 1) / kda::BV;

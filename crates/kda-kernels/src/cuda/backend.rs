@@ -628,8 +628,6 @@ impl CudaBackend {
                 aqk: at(lay.aqk),
                 gl: at(lay.gl),
                 carry: at(lay.carry),
-                n_chunks: *n_chunks as u32,
-                n_pieces: *n_pieces as u32,
             };
             for (kernel, ctas, threads, smem) in [
                 (&prep, n_chunks * hv, PREP_THREADS, prep_bytes),

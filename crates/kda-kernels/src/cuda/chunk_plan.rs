@@ -36,11 +36,9 @@ pub(crate) struct ChunkParams {
     pub gl: u64,
     /// `f32 [HV][K][V]`: the state of the sequence a window leaves open.
     pub carry: u64,
-    pub n_chunks: u32,
-    pub n_pieces: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8 + 2 * 4);
+const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8);
 
 /// Whether the chunked kernels take heads of `k` x `v` (float4 rows of K, eight output columns
 /// at a time) within `smem_optin` bytes of shared memory per CTA.
@@ -48,13 +46,13 @@ pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
     k > 0 && v > 0 && k.is_multiple_of(4) && v.is_multiple_of(8) && prep_smem(k, v) <= smem_optin
 }
 
-/// Dynamic shared memory of `kda_chunk_prep`, bytes (`PREP_SMEM_FLOATS`).
+/// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays).
 pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
     let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
     4 * (3 * BT * ck + BT * cv + BT * ca + BT)
 }
 
-/// Dynamic shared memory of `kda_chunk_state`, bytes (`STATE_SMEM_FLOATS`).
+/// Dynamic shared memory of `kda_chunk_state`, bytes (its `sS` and `sN` arrays).
 pub(crate) fn state_smem(k: usize) -> usize {
     4 * (k + BT) * (BV + 4)
 }
