@@ -35,12 +35,13 @@ constexpr int CK = roundup(K, 4) + 4;  // smem row stride of K-wide rows: 16-byt
 constexpr int CV = roundup(V, 4) + 4;  // of V-wide rows
 constexpr int CA = BT + 4;             // of Akk rows
 constexpr int PREP_THREADS = 256;
+constexpr int BC = 16;                 // tokens per sub-chunk of Akk and Aqk
 constexpr int BV = 16;                 // value columns per kda_chunk_state CTA
 constexpr int SS = BV + 4;             // smem row stride of the state's columns
 constexpr int STATE_THREADS = 128;     // two per chunk row: BT * 2
 constexpr float LOG2E = 1.4426950408889634f;
 static_assert(STATE_THREADS == 2 * BT, "kda_chunk_state: two threads per chunk row");
-static_assert(PREP_THREADS % BT == 0, "kda_chunk_prep: whole rows of pairs");
+static_assert(PREP_THREADS == 4 * BT && PREP_THREADS == 4 * BC * (BT / BC), "kda_chunk_prep: its thread maps");
 
 // Scratch of (chunk ch, value head hv): the element offset of its block of `per` floats.
 __device__ __forceinline__ size_t chunk_block(const KdaParams& p, kda_u32 ch, kda_u32 hv, size_t per) {
@@ -152,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     float* sV = sG + BT * CK;    // [BT][CV] values; then beta v, then u
     float* sA = sV + BT * CV;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
     float* sB = sA + BT * CA;    // [BT] beta
+    float* sF = sB + BT;         // [2 BC + BT - BC][CK] the factored rows and columns of Akk, Aqk
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
     const kda_u32 ch = blockIdx.x / p.hv, hv = blockIdx.x - ch * p.hv;
     const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
@@ -210,40 +212,99 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
     __syncthreads();
 
-    // 3. Akk and Aqk: thread (row group i0, column j) sums the pairs (i, j) of rows i = i0 + 4 m
-    //    over K with the exact exp2(Gc_i - Gc_j) of each element; a warp skips the rows above all
-    //    of its columns. Aqk (j <= i, else 0) goes to the scratch, beta_i Akk (j < i) to sA.
+    // 3. Akk and Aqk over sub-chunks of BC tokens. Diagonal blocks: thread (block, row group,
+    //    column) sums the pairs of rows i0 + 4 m over K with the exact exp2(Gc_i - Gc_j) of each
+    //    element. Blocks left of the diagonal (block I, columns of blocks J < I): with r the
+    //    first token of I, exp2(Gc_i - Gc_j) = exp2(Gc_i - Gc_r) exp2(Gc_r - Gc_j), both
+    //    factors <= 1 (j < r <= i), so the rows k_i and q_i times the first factor and the
+    //    columns k_j times the second (in sF, per block I) meet in a plain product: BT K
+    //    exponentials per block row instead of one per element and pair. Aqk (j <= i, else 0)
+    //    goes to the scratch, beta_i Akk (j < i) to sA.
     {
-        constexpr int RG4 = PREP_THREADS / BT; // row groups
-        constexpr int RM = BT / RG4;           // rows per thread
-        const int j = tid % BT, i0 = tid / BT, jw = j & ~31;
-        float akk[RM], aqk[RM];
+        float* aq = reinterpret_cast<float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
+        // the diagonal blocks
+        {
+            const int blk = tid / (BC * 4), jl = tid % BC, il0 = (tid / BC) % 4;
+            const int j = blk * BC + jl;
+            float akk[BC / 4], aqk[BC / 4];
 #pragma unroll
-        for (int m = 0; m < RM; ++m) akk[m] = aqk[m] = 0.0f;
-        const float* kj = sK + j * CK;
-        const float* gj = sG + j * CK;
-        for (int k = 0; k < K; k += 4) {
-            const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
-            const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
+            for (int m = 0; m < BC / 4; ++m) akk[m] = aqk[m] = 0.0f;
+            const float* kj = sK + j * CK;
+            const float* gj = sG + j * CK;
+            for (int k = 0; k < K; k += 4) {
+                const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
+                const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
 #pragma unroll
-            for (int m = 0; m < RM; ++m) {
-                const int i = i0 + RG4 * m;
-                if (i < jw) continue; // every column of the warp is right of the diagonal
-                const float4 ki = *reinterpret_cast<const float4*>(sK + i * CK + k);
-                const float4 qi = *reinterpret_cast<const float4*>(sQ + i * CK + k);
-                const float4 gi = *reinterpret_cast<const float4*>(sG + i * CK + k);
-                const float e0 = kj4.x * exp2f(gi.x - gj4.x), e1 = kj4.y * exp2f(gi.y - gj4.y);
-                const float e2 = kj4.z * exp2f(gi.z - gj4.z), e3 = kj4.w * exp2f(gi.w - gj4.w);
-                akk[m] += ki.x * e0 + ki.y * e1 + ki.z * e2 + ki.w * e3;
-                aqk[m] += qi.x * e0 + qi.y * e1 + qi.z * e2 + qi.w * e3;
+                for (int m = 0; m < BC / 4; ++m) {
+                    const int i = blk * BC + il0 + 4 * m;
+                    const float4 ki = *reinterpret_cast<const float4*>(sK + i * CK + k);
+                    const float4 qi = *reinterpret_cast<const float4*>(sQ + i * CK + k);
+                    const float4 gi = *reinterpret_cast<const float4*>(sG + i * CK + k);
+                    const float e0 = kj4.x * exp2f(gi.x - gj4.x), e1 = kj4.y * exp2f(gi.y - gj4.y);
+                    const float e2 = kj4.z * exp2f(gi.z - gj4.z), e3 = kj4.w * exp2f(gi.w - gj4.w);
+                    akk[m] += ki.x * e0 + ki.y * e1 + ki.z * e2 + ki.w * e3;
+                    aqk[m] += qi.x * e0 + qi.y * e1 + qi.z * e2 + qi.w * e3;
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < BC / 4; ++m) {
+                const int i = blk * BC + il0 + 4 * m;
+                aq[i * BT + j] = j <= i ? aqk[m] : 0.0f;
+                sA[i * CA + j] = j < i ? sB[i] * akk[m] : 0.0f;
             }
         }
-        float* aq = reinterpret_cast<float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
+        // the blocks right of the diagonal: 0
+        for (int e = tid; e < BT * BT; e += blockDim.x) {
+            const int i = e / BT, j = e - i * BT;
+            if (j / BC > i / BC) {
+                aq[e] = 0.0f;
+                sA[i * CA + j] = 0.0f;
+            }
+        }
+        // the blocks left of it, one block row I at a time: sF holds the rows k_i and q_i of I
+        // times exp2(Gc_i - Gc_r) (rows 0 .. 2 BC), then the columns j < r times exp2(Gc_r - Gc_j)
+        for (int bi = 1; bi < BT / BC; ++bi) {
+            const int r = bi * BC;
+            __syncthreads(); // sF free (the previous block row's products done)
+            for (int e = tid; e < (2 * BC + r) * K; e += blockDim.x) {
+                const int row = e / K, kk = e - row * K;
+                const float gr = sG[r * CK + kk];
+                float x;
+                if (row < 2 * BC) {
+                    const int i = r + row % BC;
+                    x = (row < BC ? sK : sQ)[i * CK + kk] * exp2f(sG[i * CK + kk] - gr);
+                } else {
+                    const int j = row - 2 * BC;
+                    x = sK[j * CK + kk] * exp2f(gr - sG[j * CK + kk]);
+                }
+                sF[row * CK + kk] = x;
+            }
+            __syncthreads();
+            // thread (row group il0, column j < r): rows il0 + 4 m of the block row
+            const int j = tid % BT, il0 = tid / BT;
+            if (j < r) {
+                float akk[BC / 4], aqk[BC / 4];
 #pragma unroll
-        for (int m = 0; m < RM; ++m) {
-            const int i = i0 + RG4 * m;
-            aq[i * BT + j] = j <= i ? aqk[m] : 0.0f;
-            sA[i * CA + j] = j < i ? sB[i] * akk[m] : 0.0f;
+                for (int m = 0; m < BC / 4; ++m) akk[m] = aqk[m] = 0.0f;
+                const float* bj = sF + (2 * BC + j) * CK;
+                for (int k = 0; k < K; k += 4) {
+                    const float4 b4 = *reinterpret_cast<const float4*>(bj + k);
+#pragma unroll
+                    for (int m = 0; m < BC / 4; ++m) {
+                        const int il = il0 + 4 * m;
+                        const float4 ki = *reinterpret_cast<const float4*>(sF + il * CK + k);
+                        const float4 qi = *reinterpret_cast<const float4*>(sF + (BC + il) * CK + k);
+                        akk[m] += ki.x * b4.x + ki.y * b4.y + ki.z * b4.z + ki.w * b4.w;
+                        aqk[m] += qi.x * b4.x + qi.y * b4.y + qi.z * b4.z + qi.w * b4.w;
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < BC / 4; ++m) {
+                    const int i = r + il0 + 4 * m;
+                    aq[i * BT + j] = aqk[m];
+                    sA[i * CA + j] = sB[i] * akk[m];
+                }
+            }
         }
     }
     __syncthreads();

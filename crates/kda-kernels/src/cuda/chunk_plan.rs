@@ -49,7 +49,7 @@ pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
 /// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays).
 pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
     let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
-    4 * (3 * BT * ck + BT * cv + BT * ca + BT)
+    4 * (3 * BT * ck + BT * cv + BT * ca + BT + (BT + 16) * ck)
 }
 
 /// Dynamic shared memory of `kda_chunk_state`, bytes (its `sS` and `sN` arrays).
@@ -173,7 +173,7 @@ mod tests {
         let h200 = 232_448;
         assert!(chunk_supported(128, 128, h200));
         assert!(chunk_supported(32, 48, h200));
-        assert_eq!(prep_smem(128, 128), 152_832);
+        assert_eq!(prep_smem(128, 128), 195_072);
         assert!(!chunk_supported(30, 48, h200), "K not a multiple of 4");
         assert!(!chunk_supported(32, 44, h200), "V not a multiple of 8");
         assert!(
