@@ -43,7 +43,7 @@ const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8);
 /// Whether the chunked kernels take heads of `k` x `v` (float4 rows of K, eight output columns
 /// at a time) within `smem_optin` bytes of shared memory per CTA.
 pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
-    k > 0 && v > 0 && k.is_multiple_of(4) && v.is_multiple_of(8) && prep_smem(k, v) <= smem_optin
+    k > 0 && v > 0 && k.is_multiple_of(16) && v.is_multiple_of(8) && prep_smem(k, v) <= smem_optin
 }
 
 /// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays).
