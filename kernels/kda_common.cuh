@@ -224,6 +224,8 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const kda_u32 (&a)[4], k
                  "{%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(KDA_EMU_MMA_TF32)
+    KDA_EMU_MMA_TF32(c, a, b0, b1); // tools/offline/chunk_emu: the shuffles below, one exchange
 #else
     // the same product from the same fragments through shuffles (devices without mma.sync)
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
