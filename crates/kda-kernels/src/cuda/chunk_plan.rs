@@ -43,13 +43,13 @@ const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8);
 /// Whether the chunked kernels take heads of `k` x `v` (float4 rows of K, eight output columns
 /// at a time) within `smem_optin` bytes of shared memory per CTA.
 pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
-    k > 0 && v > 0 && k.is_multiple_of(16) && v.is_multiple_of(8) && prep_smem(k, v) <= smem_optin
+    k > 0 && v > 0 && k.is_multiple_of(4) && v.is_multiple_of(8) && prep_smem(k, v) <= smem_optin
 }
 
 /// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays).
 pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
     let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
-    4 * (3 * BT * ck + BT * cv + BT * ca + BT + (BT + 16) * ck)
+    4 * (3 * BT * ck + BT * cv + BT * ca + BT)
 }
 
 /// Dynamic shared memory of `kda_chunk_state`, bytes (its `sS` and `sN` arrays).
@@ -173,7 +173,7 @@ mod tests {
         let h200 = 232_448;
         assert!(chunk_supported(128, 128, h200));
         assert!(chunk_supported(32, 48, h200));
-        assert_eq!(prep_smem(128, 128), 195_072);
+        assert_eq!(prep_smem(128, 128), 152_832);
         assert!(!chunk_supported(30, 48, h200), "K not a multiple of 4");
         assert!(!chunk_supported(32, 44, h200), "V not a multiple of 8");
         assert!(
