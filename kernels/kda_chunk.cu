@@ -62,21 +62,18 @@ __device__ __forceinline__ void store_out4(IT* p, float a, float b, float c, flo
 // The slot's pending ring entries folded into the state's columns sS ([K][SS], f32) as tokens
 // without output (spec section 2: decay, v - k S, the rank-1 update), so the prefill starts from
 // the true state without a store in between (a 2-byte pool rounds it once, at the end). The
-// ring record is read here and cleared by kda_chunk_ring_reset after the call's last window.
-// `first`: the CTA that records a corrupt record in the error word (clamped, as kda_step does).
+// ring record is read here, checked and clamped by kda_step's plan (plan_from: a prefill
+// folds the pending entries, drops the drafts), and cleared by kda_chunk_ring_reset after the
+// call's last window. `first`: the CTA that records a corrupt record in the error word.
 __device__ __forceinline__ void fold_pending(const KdaParams& p, kda_u32 slot, kda_u32 hv, int v0, float* sS,
                                              bool first) {
     __shared__ float fk[K], fd[K], fv[BV], fu[BV], fred[STATE_THREADS / 32][BV + 1];
     __shared__ float fbeta;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const kda_u32* meta = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
-    const kda_u32 len = meta[0], pending = meta[1];
-    const kda_u32 pend = min(min(pending, len), p.ring_len);
-    if (first && tid == 0 && (len > p.ring_len || pending > len)) {
-        kda_u32* err = reinterpret_cast<kda_u32*>(p.err);
-        atomicOr(err, KDA_ERR_META);
-        atomicCAS(err + 1, KDA_NONE, slot);
-    }
+    const kda_u32 pend =
+        plan_from<true>(p, slot, 0u, meta[0], meta[1], 0u, reinterpret_cast<kda_u32*>(p.err), first && tid == 0)
+            .pend;
     const int h = (int)(hv / (p.hv / p.h));
     const size_t entry = ring_entry_elems(p);
     const float a_exp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
