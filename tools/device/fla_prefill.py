@@ -1,8 +1,11 @@
 """fla-core 0.6.0 prefill on the shapes of `kda-pool bench --op prefill`: chunked (chunk_kda,
 fp32 initial state) and token by token (fused_recurrent_kda_fwd, fp32 pool updated in place),
 device time per call as the sum of its kernels' device times under torch.profiler. One JSON
-line per row; a failing call is a row with its error."""
+line per row; a failing call is a row with its error. Arguments: which kinds to run (chunk,
+recurrent; default both): run each in a process of its own, as a fault in one (an illegal
+address) leaves the process's CUDA context unusable."""
 import json
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -13,6 +16,7 @@ from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 dev = "cuda"
 torch.manual_seed(1)
 K = V = 128
+kinds = sys.argv[1:] or ["chunk", "recurrent"]
 
 
 def device_us(fn, iters=5):
@@ -51,6 +55,8 @@ for H in (12, 32):
                 ssm_state_indices=torch.arange(nseq, device=dev, dtype=torch.int32), **flags),
         }
         for name, fn in cases.items():
+            if name not in kinds:
+                continue
             try:
                 us = device_us(fn)
                 row(kind="fla-prefill-" + name, H=H, nseq=nseq, L=L, T=T, device_us=us,
