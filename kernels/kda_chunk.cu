@@ -310,13 +310,26 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 }
 
 // One CTA per (piece of the window, value head, BV value columns): blockIdx.x = (piece * HV +
-// hv) * vblocks + vb.
+// hv) * vblocks + vb. A chunk's scratch (w, q exp(Gc), u's columns, Aqk, k exp(Gc_last - Gc),
+// exp(Gc_last)) reaches shared memory by cp.async in three groups, each issued as soon as the
+// previous chunk's phase that reads its buffers is done: w, q exp(Gc) and u (phase A) while
+// the previous chunk's phases B and C run, Aqk (phase B) during its phase C and this chunk's
+// phase A, k exp(Gc_last - Gc) and exp(Gc_last) (phase C) during this chunk's phases A and B.
+// So each phase waits on loads that were in flight for a phase or two, not on a chain of
+// dependent global loads (the first version, about 30 us per chunk on an H100: fifty-seventh
+// session).
 extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state(const KdaParams p,
                                                                                 const KdaChunkParams c) {
     using namespace kda;
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's state_smem
     float* sS = csm;          // [K][SS] the state's columns v0 .. v0 + BV
     float* sN = sS + K * SS;  // [BT][SS] v_new of the chunk
+    float* tW = sN + BT * SS; // [BT][CK] w
+    float* tQ = tW + BT * CK; // [BT][CK] q exp(Gc)
+    float* tK = tQ + BT * CK; // [BT][CK] k exp(Gc_last - Gc)
+    float* tA = tK + BT * CK; // [BT][CA] Aqk
+    float* tU = tA + BT * CA; // [BT][BV] u's columns v0 .. v0 + BV
+    float* tG = tU + BT * BV; // [K] exp(Gc_last)
     const int tid = threadIdx.x;
     constexpr int VB = (V + BV - 1) / BV;
     const kda_u32 vb = blockIdx.x % VB, rest = blockIdx.x / VB;
@@ -327,6 +340,47 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     const int v0 = (int)vb * BV;
     ST* head = state_head(p, slot, hv);
     float* carry = reinterpret_cast<float*>(c.carry) + (size_t)hv * K * V;
+
+    // The copies of chunk ch's group (1: w, q exp(Gc), u; 2: Aqk; 3: k exp(Gc_last - Gc),
+    // exp(Gc_last)), committed as one group; none past the piece's last chunk (an empty group,
+    // so every thread counts the same groups).
+    auto issue = [&](int group, kda_u32 ch) {
+        if (ch < c0 + nch) {
+            constexpr int R4 = K / 4; // 16-byte pieces of a K-wide row
+            const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
+            if (group == 1) {
+                const float* W = reinterpret_cast<const float*>(c.w) + kb;
+                const float* QG = reinterpret_cast<const float*>(c.qg) + kb;
+                for (int e = tid; e < BT * R4; e += blockDim.x) {
+                    const int r = e / R4, k = 4 * (e - r * R4);
+                    cp_async16(tW + r * CK + k, W + (size_t)r * K + k);
+                    cp_async16(tQ + r * CK + k, QG + (size_t)r * K + k);
+                }
+                const float* U = reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
+                for (int e = tid; e < BT * (BV / 4); e += blockDim.x) {
+                    const int r = e / (BV / 4), cc = 4 * (e - r * (BV / 4));
+                    if (v0 + cc < V) cp_async16(tU + r * BV + cc, U + (size_t)r * V + v0 + cc);
+                }
+            } else if (group == 2) {
+                const float* AQ = reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
+                for (int e = tid; e < BT * (BT / 4); e += blockDim.x) {
+                    const int r = e / (BT / 4), j = 4 * (e - r * (BT / 4));
+                    cp_async16(tA + r * CA + j, AQ + (size_t)r * BT + j);
+                }
+            } else {
+                const float* KG = reinterpret_cast<const float*>(c.kg) + kb;
+                for (int e = tid; e < BT * R4; e += blockDim.x) {
+                    const int r = e / R4, k = 4 * (e - r * R4);
+                    cp_async16(tK + r * CK + k, KG + (size_t)r * K + k);
+                }
+                const float* GL = reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K);
+                for (int e = tid; e < R4; e += blockDim.x) cp_async16(tG + 4 * e, GL + 4 * e);
+            }
+        }
+        cp_async_commit();
+    };
+    issue(1, c0);
+    issue(2, c0);
 
     for (int e = tid; e < K * BV; e += blockDim.x) {
         const int k = e / BV, cc = e - k * BV, v = v0 + cc;
@@ -344,23 +398,20 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
         const kda_u32 tok0 = ct[0];
         const int len = (int)ct[1];
-        const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
-        const float* W = reinterpret_cast<const float*>(c.w) + kb;
-        const float* QG = reinterpret_cast<const float*>(c.qg) + kb;
-        const float* KG = reinterpret_cast<const float*>(c.kg) + kb;
-        const float* U = reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-        const float* AQ = reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
-        const float* GL = reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K);
+        // in flight: groups 1 and 2 of ch; the barrier also orders the previous phase C's state
+        cp_async_wait<1>();
+        __syncthreads();
+        issue(3, ch); // tK and tG: the previous phase C is done with them
 
         // A. v_new = u - w S and o = q exp(Gc) S for the thread's row and columns
         float vn[8], o[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            vn[e] = cols ? U[(size_t)i * V + v0 + cc0 + e] : 0.0f;
+            vn[e] = cols ? tU[i * BV + cc0 + e] : 0.0f;
             o[e] = 0.0f;
         }
-        const float* wr = W + (size_t)i * K;
-        const float* qr = QG + (size_t)i * K;
+        const float* wr = tW + i * CK;
+        const float* qr = tQ + i * CK;
 #pragma unroll 2
         for (int k = 0; k < K; k += 4) {
             const float4 w4 = *reinterpret_cast<const float4*>(wr + k);
@@ -381,10 +432,12 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         }
 #pragma unroll
         for (int e = 0; e < 8; ++e) sN[i * SS + cc0 + e] = vn[e];
+        cp_async_wait<1>(); // group 2 of ch landed (group 3 may be in flight)
         __syncthreads();
+        issue(1, ch + 1); // tW, tQ, tU: phase A is done with them
 
         // B. o += Aqk v_new (Aqk is 0 right of the diagonal); the outputs of the chunk's tokens
-        const float* ar = AQ + (size_t)i * BT;
+        const float* ar = tA + i * CA;
         for (int j = 0; j <= i; j += 4) {
             const float4 a4 = *reinterpret_cast<const float4*>(ar + j);
             const float a[4] = {a4.x, a4.y, a4.z, a4.w};
@@ -408,16 +461,19 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
             store_out4(op, o[0], o[1], o[2], o[3]);
             store_out4(op + 4, o[4], o[5], o[6], o[7]);
         }
+        cp_async_wait<1>(); // group 3 of ch landed (group 1 of ch + 1 may be in flight)
+        __syncthreads();
+        issue(2, ch + 1); // tA: phase B is done with it
 
         // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, one thread per key row
         for (int k = tid; k < K; k += blockDim.x) {
             float s[BV];
-            const float d = GL[k];
+            const float d = tG[k];
 #pragma unroll
             for (int e = 0; e < BV; ++e) s[e] = sS[k * SS + e] * d;
 #pragma unroll 4
             for (int t = 0; t < BT; ++t) {
-                const float kgv = KG[(size_t)t * K + k];
+                const float kgv = tK[t * CK + k];
                 const float* nrow = sN + t * SS;
 #pragma unroll
                 for (int e = 0; e < BV; e += 4) {
@@ -431,8 +487,9 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
 #pragma unroll
             for (int e = 0; e < BV; ++e) sS[k * SS + e] = s[e];
         }
-        __syncthreads();
     }
+    cp_async_wait<0>(); // the last chunk's empty groups (none in flight past the piece)
+    __syncthreads();
 
     // The state of the piece's end: rounded into the slot, or carried in f32 to the next window.
     if (flags & KDA_PIECE_TO_SLOT) {

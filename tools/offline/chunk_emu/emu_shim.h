@@ -9,6 +9,8 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <math.h>
@@ -159,6 +161,29 @@ inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned v) {
     return o;
 }
 
+// cp.async (kda_decode.cu's cp_async16 / cp_async_commit / cp_async_wait, which this part of
+// the source does not include): each thread's copies are held back in their committed groups
+// and made only when a wait lets them land, so a read of shared memory before its wait sees
+// the poison of `emu_launch`'s `before`, not the data (the source must not change in between:
+// the kernels copy only what an earlier launch wrote).
+struct EmuCopy {
+    void* dst;
+    const void* src;
+};
+inline thread_local std::vector<EmuCopy> emu_open;                 // issued, not yet committed
+inline thread_local std::vector<std::vector<EmuCopy>> emu_groups; // committed, oldest first
+inline void cp_async16(void* dst, const void* src) { emu_open.push_back({dst, src}); }
+inline void cp_async_commit() {
+    emu_groups.push_back(std::move(emu_open));
+    emu_open.clear();
+}
+template <int N> inline void cp_async_wait() {
+    while (emu_groups.size() > (size_t)N) {
+        for (const EmuCopy& c : emu_groups.front()) std::memcpy(c.dst, c.src, 16);
+        emu_groups.erase(emu_groups.begin());
+    }
+}
+
 // The dynamic shared memory of every kernel (`extern __shared__ __align__(16) float csm[]`:
 // chunk_emu.sh drops the `__shared__ __align__(16)` of extern declarations).
 alignas(16) inline float csm[1 << 16];
@@ -179,6 +204,10 @@ inline void emu_launch(unsigned grid, unsigned threads, const std::function<void
                 blockDim = {threads, 1, 1};
                 emu_block = &blk;
                 kernel();
+                if (!emu_open.empty() || !emu_groups.empty()) {
+                    std::fprintf(stderr, "block %u thread %u ended with cp.async copies not waited for\n", b, t);
+                    std::abort();
+                }
             });
         }
         for (auto& t : ts) t.join();

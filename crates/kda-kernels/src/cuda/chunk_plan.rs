@@ -43,7 +43,11 @@ const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8);
 /// Whether the chunked kernels take heads of `k` x `v` (float4 rows of K, eight output columns
 /// at a time) within `smem_optin` bytes of shared memory per CTA.
 pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
-    k > 0 && v > 0 && k.is_multiple_of(4) && v.is_multiple_of(8) && prep_smem(k, v) <= smem_optin
+    k > 0
+        && v > 0
+        && k.is_multiple_of(4)
+        && v.is_multiple_of(8)
+        && prep_smem(k, v).max(state_smem(k)) <= smem_optin
 }
 
 /// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays).
@@ -52,9 +56,12 @@ pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
     4 * (3 * BT * ck + BT * cv + BT * ca + BT)
 }
 
-/// Dynamic shared memory of `kda_chunk_state`, bytes (its `sS` and `sN` arrays).
+/// Dynamic shared memory of `kda_chunk_state`, bytes: its `sS` and `sN` arrays (rows of `BV +
+/// 4` floats) and one chunk's scratch copied in (`tW`, `tQ`, `tK`: `BT` rows of `k` rounded up
+/// to 4, plus 4; `tA`: `BT` rows of `BT + 4`; `tU`: `BT` rows of `BV`; `tG`: `k`).
 pub(crate) fn state_smem(k: usize) -> usize {
-    4 * (k + BT) * (BV + 4)
+    let ck = k.next_multiple_of(4) + 4;
+    4 * ((k + BT) * (BV + 4) + 3 * BT * ck + BT * (BT + 4) + BT * BV + k)
 }
 
 /// `kda_chunk_state` CTAs per (piece, value head).
@@ -182,7 +189,8 @@ mod tests {
         );
         assert_eq!(vblocks(128), 8);
         assert_eq!(vblocks(48), 3);
-        assert_eq!(state_smem(128), 15_360);
+        assert_eq!(state_smem(128), 138_752);
+        assert_eq!(state_smem(32), 56_960);
     }
 
     #[test]
