@@ -39,8 +39,25 @@ constexpr int BV = 16;                 // value columns per kda_chunk_state CTA
 constexpr int SS = BV + 4;             // smem row stride of the state's columns
 constexpr int STATE_THREADS = 128;     // two per chunk row: BT * 2
 constexpr float LOG2E = 1.4426950408889634f;
+// Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB.
+constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CV,
+              PREP_B = PREP_A + BT * CA, PREP_END = PREP_B + BT;
+// kda_chunk_state: sS, sN, then the chunk's scratch tW, tQ, tK, tA, tU, tG.
+constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_Q = ST_W + BT * CK, ST_K = ST_Q + BT * CK,
+              ST_A = ST_K + BT * CK, ST_U = ST_A + BT * CA, ST_G = ST_U + BT * BV, ST_END = ST_G + K;
 static_assert(STATE_THREADS == 2 * BT, "kda_chunk_state: two threads per chunk row");
 static_assert(PREP_THREADS % BT == 0, "kda_chunk_prep: whole rows of pairs");
+
+} // namespace kda
+
+// The dynamic shared memory each kernel carves up, in bytes, between two marker words: the
+// host sizes its launches with chunk_plan.rs's prep_smem and state_smem, and a test
+// (chunk_plan.rs) reads these words out of the compiled module to hold the two to the same
+// numbers.
+extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[4] = {0x4b444153u, 4u * kda::PREP_END, 4u * kda::ST_END,
+                                                                0x534d454du};
+
+namespace kda {
 
 // Scratch of (chunk ch, value head hv): the element offset of its block of `per` floats.
 __device__ __forceinline__ size_t chunk_block(const KdaParams& p, kda_u32 ch, kda_u32 hv, size_t per) {
@@ -144,11 +161,11 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     using namespace kda;
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's prep_smem
     float* sK = csm;             // [BT][CK] activated keys
-    float* sQ = sK + BT * CK;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w
-    float* sG = sQ + BT * CK;    // [BT][CK] log-decays; then Gc in log2 units
-    float* sV = sG + BT * CK;    // [BT][CV] values; then beta v, then u
-    float* sA = sV + BT * CV;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
-    float* sB = sA + BT * CA;    // [BT] beta
+    float* sQ = csm + PREP_Q;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w
+    float* sG = csm + PREP_G;    // [BT][CK] log-decays; then Gc in log2 units
+    float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u
+    float* sA = csm + PREP_A;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
+    float* sB = csm + PREP_B;    // [BT] beta
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
     const kda_u32 ch = blockIdx.x / p.hv, hv = blockIdx.x - ch * p.hv;
     const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
@@ -322,14 +339,14 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
                                                                                 const KdaChunkParams c) {
     using namespace kda;
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's state_smem
-    float* sS = csm;          // [K][SS] the state's columns v0 .. v0 + BV
-    float* sN = sS + K * SS;  // [BT][SS] v_new of the chunk
-    float* tW = sN + BT * SS; // [BT][CK] w
-    float* tQ = tW + BT * CK; // [BT][CK] q exp(Gc)
-    float* tK = tQ + BT * CK; // [BT][CK] k exp(Gc_last - Gc)
-    float* tA = tK + BT * CK; // [BT][CA] Aqk
-    float* tU = tA + BT * CA; // [BT][BV] u's columns v0 .. v0 + BV
-    float* tG = tU + BT * BV; // [K] exp(Gc_last)
+    float* sS = csm;         // [K][SS] the state's columns v0 .. v0 + BV
+    float* sN = csm + ST_N;  // [BT][SS] v_new of the chunk
+    float* tW = csm + ST_W;  // [BT][CK] w
+    float* tQ = csm + ST_Q;  // [BT][CK] q exp(Gc)
+    float* tK = csm + ST_K;  // [BT][CK] k exp(Gc_last - Gc)
+    float* tA = csm + ST_A;  // [BT][CA] Aqk
+    float* tU = csm + ST_U;  // [BT][BV] u's columns v0 .. v0 + BV
+    float* tG = csm + ST_G;  // [K] exp(Gc_last)
     const int tid = threadIdx.x;
     constexpr int VB = (V + BV - 1) / BV;
     const kda_u32 vb = blockIdx.x % VB, rest = blockIdx.x / VB;

@@ -610,6 +610,7 @@ pub(crate) fn copy_kernel(ctx: &Arc<CudaContext>) -> Result<Kernel> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::chunk_plan;
 
     /// Compiles a source for sm_90 with NVRTC to a CUBIN (as `compile` does by default);
     /// `None` when no NVRTC library is present.
@@ -627,6 +628,15 @@ mod tests {
 
     /// Whether the CUBIN's string table names a symbol `name` (an entry point that
     /// `load_function` looks up is one of its symbols).
+    /// The two words between `kda_chunk_smem_bytes`' markers in a CUBIN's initialised data.
+    fn chunk_smem_words(cubin: &[u8]) -> Option<[u32; 2]> {
+        let word = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("four bytes"));
+        cubin.windows(16).find_map(|w| {
+            (word(&w[..4]) == 0x4b44_4153 && word(&w[12..]) == 0x534d_454d)
+                .then(|| [word(&w[4..8]), word(&w[8..12])])
+        })
+    }
+
     fn has_entry(cubin: &[u8], name: &str) -> bool {
         let sym = [b"\0", name.as_bytes(), b"\0"].concat();
         cubin.windows(sym.len()).any(|w| w == sym.as_slice())
@@ -832,6 +842,18 @@ mod tests {
             assert!(
                 !has_entry(&cubin, "kda_eage"),
                 "has_entry matches whole names only"
+            );
+            // the chunked kernels' shared memory as the kernel source carves it up
+            // (`kda_chunk_smem_bytes`, between its marker words) is what the host gives them
+            let words = chunk_smem_words(&cubin)
+                .unwrap_or_else(|| panic!("{key:?}: no kda_chunk_smem_bytes in the CUBIN"));
+            assert_eq!(
+                words,
+                [
+                    chunk_plan::prep_smem(key.k, key.v) as u32,
+                    chunk_plan::state_smem(key.k) as u32
+                ],
+                "{key:?}: kda_chunk.cu's shared memory against chunk_plan.rs's"
             );
         }
         if let Some(r) = try_compile(&source("", FILL), "kda_fill.cu") {
