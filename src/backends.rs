@@ -22,6 +22,9 @@ pub enum PrefillKernelArg {
     Steps,
     /// The chunked kernels (`kda_chunk_prep`, `kda_chunk_state`).
     Chunked,
+    /// The chunked kernels where the call's shape is expected to run faster chunked, else
+    /// `kda_step`.
+    ByShape,
 }
 
 impl From<PrefillKernelArg> for kda_kernels::PrefillKernel {
@@ -29,6 +32,7 @@ impl From<PrefillKernelArg> for kda_kernels::PrefillKernel {
         match k {
             PrefillKernelArg::Steps => Self::Steps,
             PrefillKernelArg::Chunked => Self::Chunked,
+            PrefillKernelArg::ByShape => Self::ByShape,
         }
     }
 }

@@ -303,16 +303,18 @@ fn cuda_backend_simulates_on_cuda_or_is_refused_never_run_on_the_cpu() {
 
 #[test]
 fn a_prefill_kernel_on_the_cpu_backend_is_one_usage_line() {
-    let mut args = SMALL.to_vec();
-    args.extend_from_slice(&["--prefill-kernel", "chunked"]);
-    let o = kda_pool(&args, &[]);
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
-    assert!(
-        err.contains("--prefill-kernel chunked") && err.contains("--backend cuda"),
-        "{err}"
-    );
+    for kernel in ["chunked", "by-shape"] {
+        let mut args = SMALL.to_vec();
+        args.extend_from_slice(&["--prefill-kernel", kernel]);
+        let o = kda_pool(&args, &[]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
+        assert!(
+            err.contains(&format!("--prefill-kernel {kernel}:")) && err.contains("--backend cuda"),
+            "{err}"
+        );
+    }
 }
 
 #[test]

@@ -843,8 +843,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
                                 let (sb, sets) = (s.state_bytes(), s.batches.len());
-                                // the default, each of --warps (warps per CTA) token by
-                                // token, then the chunked kernels
+                                // the default (token by token), each of --warps (warps per
+                                // CTA) token by token, the chunked kernels, then the choice by
+                                // the call's shape
                                 let rows = std::iter::once(("prefill".to_string(), None, None))
                                     .chain(warps.iter().map(|&w| {
                                         let steps = Some(PrefillKernel::Steps);
@@ -854,11 +855,19 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                         "prefill-chunked".to_string(),
                                         None,
                                         Some(PrefillKernel::Chunked),
+                                    )))
+                                    .chain(std::iter::once((
+                                        "prefill-by-shape".to_string(),
+                                        None,
+                                        Some(PrefillKernel::ByShape),
                                     )));
                                 for (op, w, pk) in rows {
                                     be.set_eager_warps(w).map_err(kerr)?;
                                     be.set_prefill_kernel(pk).map_err(kerr)?;
-                                    if pk == Some(PrefillKernel::Chunked) {
+                                    if matches!(
+                                        pk,
+                                        Some(PrefillKernel::Chunked | PrefillKernel::ByShape)
+                                    ) {
                                         // its tables and scratch made before the graph's capture
                                         for set in 0..s.batches.len() {
                                             enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;

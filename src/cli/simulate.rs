@@ -122,7 +122,8 @@ fn check_args(args: &Args) -> Result<(), CliError> {
         return Err(usage(format!(
             "--prefill-kernel {}: chooses the CUDA backend's prefill (the CPU backend's is \
              always chunked); use it with --backend cuda",
-            format!("{k:?}").to_lowercase()
+            clap::ValueEnum::to_possible_value(&k)
+                .map_or(String::new(), |v| v.get_name().to_string())
         )));
     }
     if let Some(n) = args.pad_to {

@@ -83,8 +83,8 @@ pub enum RingKernel {
 /// The prefill kernels of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillKernel {
-    /// `kda_step`: every token of a sequence after the other, decode's token step (the default
-    /// until the chunked kernels are measured on the device).
+    /// `kda_step`: every token of a sequence after the other, decode's token step (the
+    /// default until the chunked kernels pass the GPU tests).
     Steps,
     /// `kda_chunk_prep` then `kda_chunk_state` (spec section 3): chunks of 64 tokens prepared
     /// all at once, then the state carried from chunk to chunk. Plain batches of heads with
@@ -92,4 +92,9 @@ pub enum PrefillKernel {
     /// other calls run `Steps`. Not the bits of `Steps` (fp32 states within about 1e-6,
     /// 2-byte ones within one rounding step of them).
     Chunked,
+    /// `Chunked` where a cost model of the call's shape expects it faster than `Steps` (a few
+    /// long sequences: one sequence of 256 tokens or more ran 1.6-3.0x faster chunked on an
+    /// H100, 8 or 32 sequences 1.2-2.8x slower), else `Steps`. Meant to become the default
+    /// once the chunked kernels pass the GPU tests.
+    ByShape,
 }

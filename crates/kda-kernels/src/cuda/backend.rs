@@ -24,8 +24,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::chunk_plan::{
-    chunk_supported, max_chunks, prep_smem, state_smem, vblocks, windows, ChunkParams,
-    ScratchLayout, DEFAULT_SCRATCH_BYTES, PREP_THREADS, STATE_THREADS,
+    chunk_supported, max_chunks, prefer_chunked, prep_smem, state_smem, vblocks, windows,
+    ChunkParams, ScratchLayout, DEFAULT_SCRATCH_BYTES, PREP_THREADS, STATE_THREADS,
 };
 use super::eager_plan::{eager_plan, EagerPlan, EagerShape, PIPE_THREADS, STREAM_CTAS_PER_SM};
 use super::kernel::Kernel;
@@ -362,8 +362,10 @@ impl CudaBackend {
 
     /// Chooses the prefill kernel ([`PrefillKernel`]): `None` (the default) and `Steps` run
     /// `kda_step` token by token; `Chunked` runs the chunked kernels where the call fits them
-    /// (plain batches, `K % 4 == 0`, `V % 8 == 0`, the preparation's shared memory within the
-    /// device's), else `kda_step`.
+    /// (plain batches, `K % 4 == 0`, `V % 8 == 0`, their shared memory within the device's),
+    /// else `kda_step`; `ByShape` runs them where they fit and a cost model of the call's shape
+    /// expects them faster (a few long sequences; docs/performance.md, fifty-seventh session),
+    /// else `kda_step`.
     pub fn set_prefill_kernel(&self, kernel: Option<PrefillKernel>) -> Result<()> {
         *self.prefill_kernel.lock() = kernel;
         Ok(())
@@ -562,13 +564,21 @@ impl CudaBackend {
         self.launch(&call, checked.stores, layer, exact)
     }
 
-    /// Whether a call runs the chunked prefill: asked for ([`CudaBackend::set_prefill_kernel`]),
-    /// a prefill of a plain batch, and a head shape the kernels take on this device.
+    /// Whether a call runs the chunked prefill: a prefill of a plain batch, a head shape the
+    /// kernels take on this device, and asked for ([`CudaBackend::set_prefill_kernel`]):
+    /// `Chunked`, or `ByShape` where the call's shape is expected to run faster chunked
+    /// ([`chunk_plan::prefer_chunked`]).
     fn chunked(&self, call: &Call<'_, '_>, g: &PoolGeometry) -> bool {
         call.op == Op::Prefill
             && call.batch.kind() == BatchKind::Plain
-            && *self.prefill_kernel.lock() == Some(PrefillKernel::Chunked)
             && chunk_supported(g.k, g.v, self.smem_optin)
+            && match *self.prefill_kernel.lock() {
+                Some(PrefillKernel::Chunked) => true,
+                Some(PrefillKernel::ByShape) => {
+                    prefer_chunked(&call.batch.plans.as_ref().bounds, g.hv)
+                }
+                Some(PrefillKernel::Steps) | None => false,
+            }
     }
 
     /// The chunked prefill of a validated call: per window of chunks (`chunk_plan::windows`,

@@ -170,6 +170,36 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
     (budget_bytes / (4 * hv.max(1) * block_floats(k, v))).max(1)
 }
 
+/// Whether the chunked kernels are expected to prefill a call of `hv` value heads over the
+/// sequences of `bounds` faster than `kda_step`'s token loop ([`crate::PrefillKernel::ByShape`]).
+/// A cost model fitted to the H100 rows of the
+/// fifty-seventh session (docs/performance.md; K = V = 128, every dtype within a few percent):
+/// the token loop costs its longest sequence's tokens times a step that grows with the
+/// (sequence, head) pairs it runs side by side; the chunked kernels cost the longer of their
+/// state pass's chain (the longest sequence's chunks, one after another) and their throughput
+/// over every (chunk, head) block. Where the two are within the model's error either is
+/// acceptable; the model only has to keep the clear cases right (one long sequence: chunked,
+/// up to 3x faster; many short ones: the token loop, up to 2.5x faster).
+pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
+    /// The token loop: us per token step, and per (sequence, head) pair run side by side.
+    const STEP_US: f64 = 1.1;
+    const STEP_US_PER_PAIR: f64 = 0.0065;
+    /// The chunked kernels: fixed us per call, us per chunk of the chain, us per (chunk, head).
+    const CHUNK_FIXED_US: f64 = 30.0;
+    const CHUNK_CHAIN_US: f64 = 31.0;
+    const CHUNK_BLOCK_US: f64 = 1.3;
+    let lens = bounds.windows(2).map(|b| b[1] - b[0]);
+    let (n, longest) = (
+        bounds.len().saturating_sub(1),
+        lens.clone().max().unwrap_or(0),
+    );
+    let chunks: usize = lens.map(|l| l.div_ceil(BT)).sum();
+    let steps = longest as f64 * (STEP_US + STEP_US_PER_PAIR * (n * hv) as f64);
+    let chain = longest.div_ceil(BT) as f64 * CHUNK_CHAIN_US;
+    let blocks = (chunks * hv) as f64 * CHUNK_BLOCK_US;
+    CHUNK_FIXED_US + chain.max(blocks) < steps
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,6 +237,29 @@ mod tests {
             assert_eq!(off % 4, 0, "16-byte aligned region");
         }
         assert_eq!(block_floats(32, 48), 3 * BT * 32 + BT * 48 + BT * BT + 32);
+    }
+
+    #[test]
+    fn one_long_sequence_prefills_chunked_and_many_short_ones_token_by_token() {
+        let seqs = |n: usize, l: usize| (0..=n).map(|i| i * l).collect::<Vec<_>>();
+        // the fifty-seventh session's H100 rows: chunked 1.6-3.0x faster
+        for (n, l, hv) in [
+            (1, 256, 12),
+            (1, 2048, 12),
+            (1, 32768, 12),
+            (1, 256, 32),
+            (1, 2048, 32),
+        ] {
+            assert!(prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
+        }
+        // chunked 0.36-0.82x as fast
+        for (n, l, hv) in [(32, 256, 12), (8, 4096, 12), (32, 256, 32), (8, 4096, 32)] {
+            assert!(!prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
+        }
+        // a few tokens: the token loop (a chunked call costs its two launches at least)
+        assert!(!prefer_chunked(&seqs(1, 16), 12));
+        assert!(!prefer_chunked(&[0, 0], 12), "no tokens");
+        assert!(!prefer_chunked(&[0], 12), "no sequences");
     }
 
     #[test]
