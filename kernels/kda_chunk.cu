@@ -35,21 +35,25 @@ constexpr int CK = roundup(K, 4) + 4;  // smem row stride of K-wide rows: 16-byt
 constexpr int CV = roundup(V, 4) + 4;  // of V-wide rows
 constexpr int CA = BT + 4;             // of Akk rows
 constexpr int PREP_THREADS = 256;
-constexpr int BC = 16;                 // tokens per sub-chunk of Akk and Aqk
 constexpr int BV = 16;                 // value columns per kda_chunk_state CTA
-constexpr int SS = BV + 8;             // smem row stride of the state's columns (B fragments conflict-free)
+constexpr int SS = BV + 4;             // smem row stride of the state's columns
 constexpr int STATE_THREADS = 128;     // two per chunk row: BT * 2
 constexpr float LOG2E = 1.4426950408889634f;
+// Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB.
+constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CV,
+              PREP_B = PREP_A + BT * CA, PREP_END = PREP_B + BT;
+// kda_chunk_state: sS, sN, then the chunk's scratch tW, tQ, tK, tA, tU, tG.
+constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_Q = ST_W + BT * CK, ST_K = ST_Q + BT * CK,
+              ST_A = ST_K + BT * CK, ST_U = ST_A + BT * CA, ST_G = ST_U + BT * BV, ST_END = ST_G + K;
 static_assert(STATE_THREADS == 2 * BT, "kda_chunk_state: two threads per chunk row");
-static_assert(PREP_THREADS == 4 * BT && PREP_THREADS == 4 * BC * (BT / BC), "kda_chunk_prep: its thread maps");
-
-constexpr int PREP_END = 3 * BT * CK + BT * CV + BT * CA + BT + (BT + BC) * CK;
-constexpr int ST_END = (K + BT) * SS + 3 * BT * CK + BT * CA + BT * BV + K;
+static_assert(PREP_THREADS % BT == 0, "kda_chunk_prep: whole rows of pairs");
 
 } // namespace kda
 
-// The dynamic shared memory of each kernel, in bytes, between two marker words (held to
-// chunk_plan.rs's prep_smem and state_smem by the NVRTC test).
+// The dynamic shared memory each kernel carves up, in bytes, between two marker words: the
+// host sizes its launches with chunk_plan.rs's prep_smem and state_smem, and a test
+// (chunk_plan.rs) reads these words out of the compiled module to hold the two to the same
+// numbers.
 extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[4] = {0x4b444153u, 4u * kda::PREP_END, 4u * kda::ST_END,
                                                                 0x534d454du};
 
@@ -157,12 +161,11 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     using namespace kda;
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's prep_smem
     float* sK = csm;             // [BT][CK] activated keys
-    float* sQ = sK + BT * CK;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w
-    float* sG = sQ + BT * CK;    // [BT][CK] log-decays; then Gc in log2 units
-    float* sV = sG + BT * CK;    // [BT][CV] values; then beta v, then u
-    float* sA = sV + BT * CV;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
-    float* sB = sA + BT * CA;    // [BT] beta
-    float* sF = sB + BT;         // [2 BC + BT - BC][CK] the factored rows and columns of Akk, Aqk
+    float* sQ = csm + PREP_Q;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w
+    float* sG = csm + PREP_G;    // [BT][CK] log-decays; then Gc in log2 units
+    float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u
+    float* sA = csm + PREP_A;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
+    float* sB = csm + PREP_B;    // [BT] beta
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
     const kda_u32 ch = blockIdx.x / p.hv, hv = blockIdx.x - ch * p.hv;
     const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
@@ -221,99 +224,40 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
     __syncthreads();
 
-    // 3. Akk and Aqk over sub-chunks of BC tokens. Diagonal blocks: thread (block, row group,
-    //    column) sums the pairs of rows i0 + 4 m over K with the exact exp2(Gc_i - Gc_j) of each
-    //    element. Blocks left of the diagonal (block I, columns of blocks J < I): with r the
-    //    first token of I, exp2(Gc_i - Gc_j) = exp2(Gc_i - Gc_r) exp2(Gc_r - Gc_j), both
-    //    factors <= 1 (j < r <= i), so the rows k_i and q_i times the first factor and the
-    //    columns k_j times the second (in sF, per block I) meet in a plain product: BT K
-    //    exponentials per block row instead of one per element and pair. Aqk (j <= i, else 0)
-    //    goes to the scratch, beta_i Akk (j < i) to sA.
+    // 3. Akk and Aqk: thread (row group i0, column j) sums the pairs (i, j) of rows i = i0 + 4 m
+    //    over K with the exact exp2(Gc_i - Gc_j) of each element; a warp skips the rows above all
+    //    of its columns. Aqk (j <= i, else 0) goes to the scratch, beta_i Akk (j < i) to sA.
     {
+        constexpr int RG4 = PREP_THREADS / BT; // row groups
+        constexpr int RM = BT / RG4;           // rows per thread
+        const int j = tid % BT, i0 = tid / BT, jw = j & ~31;
+        float akk[RM], aqk[RM];
+#pragma unroll
+        for (int m = 0; m < RM; ++m) akk[m] = aqk[m] = 0.0f;
+        const float* kj = sK + j * CK;
+        const float* gj = sG + j * CK;
+        for (int k = 0; k < K; k += 4) {
+            const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
+            const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
+#pragma unroll
+            for (int m = 0; m < RM; ++m) {
+                const int i = i0 + RG4 * m;
+                if (i < jw) continue; // every column of the warp is right of the diagonal
+                const float4 ki = *reinterpret_cast<const float4*>(sK + i * CK + k);
+                const float4 qi = *reinterpret_cast<const float4*>(sQ + i * CK + k);
+                const float4 gi = *reinterpret_cast<const float4*>(sG + i * CK + k);
+                const float e0 = kj4.x * exp2f(gi.x - gj4.x), e1 = kj4.y * exp2f(gi.y - gj4.y);
+                const float e2 = kj4.z * exp2f(gi.z - gj4.z), e3 = kj4.w * exp2f(gi.w - gj4.w);
+                akk[m] += ki.x * e0 + ki.y * e1 + ki.z * e2 + ki.w * e3;
+                aqk[m] += qi.x * e0 + qi.y * e1 + qi.z * e2 + qi.w * e3;
+            }
+        }
         float* aq = reinterpret_cast<float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
-        // the diagonal blocks
-        {
-            const int blk = tid / (BC * 4), jl = tid % BC, il0 = (tid / BC) % 4;
-            const int j = blk * BC + jl;
-            float akk[BC / 4], aqk[BC / 4];
 #pragma unroll
-            for (int m = 0; m < BC / 4; ++m) akk[m] = aqk[m] = 0.0f;
-            const float* kj = sK + j * CK;
-            const float* gj = sG + j * CK;
-            for (int k = 0; k < K; k += 4) {
-                const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
-                const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
-#pragma unroll
-                for (int m = 0; m < BC / 4; ++m) {
-                    const int i = blk * BC + il0 + 4 * m;
-                    const float4 ki = *reinterpret_cast<const float4*>(sK + i * CK + k);
-                    const float4 qi = *reinterpret_cast<const float4*>(sQ + i * CK + k);
-                    const float4 gi = *reinterpret_cast<const float4*>(sG + i * CK + k);
-                    const float e0 = kj4.x * exp2f(gi.x - gj4.x), e1 = kj4.y * exp2f(gi.y - gj4.y);
-                    const float e2 = kj4.z * exp2f(gi.z - gj4.z), e3 = kj4.w * exp2f(gi.w - gj4.w);
-                    akk[m] += ki.x * e0 + ki.y * e1 + ki.z * e2 + ki.w * e3;
-                    aqk[m] += qi.x * e0 + qi.y * e1 + qi.z * e2 + qi.w * e3;
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < BC / 4; ++m) {
-                const int i = blk * BC + il0 + 4 * m;
-                aq[i * BT + j] = j <= i ? aqk[m] : 0.0f;
-                sA[i * CA + j] = j < i ? sB[i] * akk[m] : 0.0f;
-            }
-        }
-        // the blocks right of the diagonal: 0
-        for (int e = tid; e < BT * BT; e += blockDim.x) {
-            const int i = e / BT, j = e - i * BT;
-            if (j / BC > i / BC) {
-                aq[e] = 0.0f;
-                sA[i * CA + j] = 0.0f;
-            }
-        }
-        // the blocks left of it, one block row I at a time: sF holds the rows k_i and q_i of I
-        // times exp2(Gc_i - Gc_r) (rows 0 .. 2 BC), then the columns j < r times exp2(Gc_r - Gc_j)
-        for (int bi = 1; bi < BT / BC; ++bi) {
-            const int r = bi * BC;
-            __syncthreads(); // sF free (the previous block row's products done)
-            for (int e = tid; e < (2 * BC + r) * K; e += blockDim.x) {
-                const int row = e / K, kk = e - row * K;
-                const float gr = sG[r * CK + kk];
-                float x;
-                if (row < 2 * BC) {
-                    const int i = r + row % BC;
-                    x = (row < BC ? sK : sQ)[i * CK + kk] * exp2f(sG[i * CK + kk] - gr);
-                } else {
-                    const int j = row - 2 * BC;
-                    x = sK[j * CK + kk] * exp2f(gr - sG[j * CK + kk]);
-                }
-                sF[row * CK + kk] = x;
-            }
-            __syncthreads();
-            // thread (row group il0, column j < r): rows il0 + 4 m of the block row
-            const int j = tid % BT, il0 = tid / BT;
-            if (j < r) {
-                float akk[BC / 4], aqk[BC / 4];
-#pragma unroll
-                for (int m = 0; m < BC / 4; ++m) akk[m] = aqk[m] = 0.0f;
-                const float* bj = sF + (2 * BC + j) * CK;
-                for (int k = 0; k < K; k += 4) {
-                    const float4 b4 = *reinterpret_cast<const float4*>(bj + k);
-#pragma unroll
-                    for (int m = 0; m < BC / 4; ++m) {
-                        const int il = il0 + 4 * m;
-                        const float4 ki = *reinterpret_cast<const float4*>(sF + il * CK + k);
-                        const float4 qi = *reinterpret_cast<const float4*>(sF + (BC + il) * CK + k);
-                        akk[m] += ki.x * b4.x + ki.y * b4.y + ki.z * b4.z + ki.w * b4.w;
-                        aqk[m] += qi.x * b4.x + qi.y * b4.y + qi.z * b4.z + qi.w * b4.w;
-                    }
-                }
-#pragma unroll
-                for (int m = 0; m < BC / 4; ++m) {
-                    const int i = r + il0 + 4 * m;
-                    aq[i * BT + j] = aqk[m];
-                    sA[i * CA + j] = sB[i] * akk[m];
-                }
-            }
+        for (int m = 0; m < RM; ++m) {
+            const int i = i0 + RG4 * m;
+            aq[i * BT + j] = j <= i ? aqk[m] : 0.0f;
+            sA[i * CA + j] = j < i ? sB[i] * akk[m] : 0.0f;
         }
     }
     __syncthreads();
@@ -383,21 +327,27 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 }
 
 // One CTA per (piece of the window, value head, BV value columns): blockIdx.x = (piece * HV +
-// hv) * vblocks + vb. The products on the tensor cores (3xTF32 mma.sync, f32 accuracy): warp w
-// takes chunk rows 16 w .. 16 w + 15 in phases A and B and key rows 16 (w + 4 m) .. in phase C.
+// hv) * vblocks + vb. A chunk's scratch (w, q exp(Gc), u's columns, Aqk, k exp(Gc_last - Gc),
+// exp(Gc_last)) reaches shared memory by cp.async in three groups, each issued as soon as the
+// previous chunk's phase that reads its buffers is done: w, q exp(Gc) and u (phase A) while
+// the previous chunk's phases B and C run, Aqk (phase B) during its phase C and this chunk's
+// phase A, k exp(Gc_last - Gc) and exp(Gc_last) (phase C) during this chunk's phases A and B.
+// So each phase waits on loads that were in flight for a phase or two, not on a chain of
+// dependent global loads (the first version, about 30 us per chunk on an H100: fifty-seventh
+// session).
 extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state(const KdaParams p,
                                                                                 const KdaChunkParams c) {
     using namespace kda;
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's state_smem
-    float* sS = csm;          // [K][SS] the state's columns v0 .. v0 + BV
-    float* sN = sS + K * SS;  // [BT][SS] v_new of the chunk
-    float* tW = sN + BT * SS; // [BT][CK] w
-    float* tQ = tW + BT * CK; // [BT][CK] q exp(Gc)
-    float* tK = tQ + BT * CK; // [BT][CK] k exp(Gc_last - Gc)
-    float* tA = tK + BT * CK; // [BT][CA] Aqk
-    float* tU = tA + BT * CA; // [BT][BV] u's columns v0 .. v0 + BV
-    float* tG = tU + BT * BV; // [K] exp(Gc_last)
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    float* sS = csm;         // [K][SS] the state's columns v0 .. v0 + BV
+    float* sN = csm + ST_N;  // [BT][SS] v_new of the chunk
+    float* tW = csm + ST_W;  // [BT][CK] w
+    float* tQ = csm + ST_Q;  // [BT][CK] q exp(Gc)
+    float* tK = csm + ST_K;  // [BT][CK] k exp(Gc_last - Gc)
+    float* tA = csm + ST_A;  // [BT][CA] Aqk
+    float* tU = csm + ST_U;  // [BT][BV] u's columns v0 .. v0 + BV
+    float* tG = csm + ST_G;  // [K] exp(Gc_last)
+    const int tid = threadIdx.x;
     constexpr int VB = (V + BV - 1) / BV;
     const kda_u32 vb = blockIdx.x % VB, rest = blockIdx.x / VB;
     const kda_u32 pi = rest / p.hv, hv = rest - pi * p.hv;
@@ -458,7 +408,9 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     __syncthreads();
     if ((flags & KDA_PIECE_FROM_SLOT) && p.ring_len > 0) fold_pending(p, slot, hv, v0, sS, vb == 0 && hv == 0);
 
-    const int r0 = 16 * warp; // the warp's chunk rows in phases A and B
+    // thread (row i, half): columns cc0 .. cc0 + 8 of chunk row i in phases A and B
+    const int i = tid >> 1, cc0 = (tid & 1) * 8;
+    const bool cols = v0 + cc0 < V; // V % 8 == 0: all eight or none
     for (kda_u32 ch = c0; ch < c0 + nch; ++ch) {
         const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
         const kda_u32 tok0 = ct[0];
@@ -468,110 +420,89 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         __syncthreads();
         issue(3, ch); // tK and tG: the previous phase C is done with them
 
-        // A. w S and q exp(Gc) S for the warp's 16 rows and both 8-column tiles
-        float ws[2][4], o[2][4];
+        // A. v_new = u - w S and o = q exp(Gc) S for the thread's row and columns
+        float vn[8], o[8];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int e = 0; e < 8; ++e) {
+            vn[e] = cols ? tU[i * BV + cc0 + e] : 0.0f;
+            o[e] = 0.0f;
+        }
+        const float* wr = tW + i * CK;
+        const float* qr = tQ + i * CK;
+#pragma unroll 2
+        for (int k = 0; k < K; k += 4) {
+            const float4 w4 = *reinterpret_cast<const float4*>(wr + k);
+            const float4 q4 = *reinterpret_cast<const float4*>(qr + k);
+            const float wk[4] = {w4.x, w4.y, w4.z, w4.w}, qk[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) ws[nt][e] = o[nt][e] = 0.0f;
-        for (int k0 = 0; k0 < K; k0 += 8) {
-            kda_u32 wh[4], wl[4], qh[4], ql[4];
-            const float* wr = tW + (r0 + g) * CK + k0 + t4;
-            const float* qr = tQ + (r0 + g) * CK + k0 + t4;
-            tf32_split(wr[0], wh[0], wl[0]);
-            tf32_split(wr[8 * CK], wh[1], wl[1]);
-            tf32_split(wr[4], wh[2], wl[2]);
-            tf32_split(wr[8 * CK + 4], wh[3], wl[3]);
-            tf32_split(qr[0], qh[0], ql[0]);
-            tf32_split(qr[8 * CK], qh[1], ql[1]);
-            tf32_split(qr[4], qh[2], ql[2]);
-            tf32_split(qr[8 * CK + 4], qh[3], ql[3]);
+            for (int r = 0; r < 4; ++r) {
+                const float* srow = sS + (k + r) * SS + cc0;
+                const float4 s0 = *reinterpret_cast<const float4*>(srow);
+                const float4 s1 = *reinterpret_cast<const float4*>(srow + 4);
+                const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                kda_u32 bh0, bl0, bh1, bl1;
-                tf32_split(sS[(k0 + t4) * SS + 8 * nt + g], bh0, bl0);
-                tf32_split(sS[(k0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
-                mma_3xtf32<false>(ws[nt], wh, wl, bh0, bh1, bl0, bl1);
-                mma_3xtf32<false>(o[nt], qh, ql, bh0, bh1, bl0, bl1);
+                for (int e = 0; e < 8; ++e) {
+                    vn[e] -= wk[r] * s[e];
+                    o[e] += qk[r] * s[e];
+                }
             }
         }
-        // v_new = u - w S (accumulator (row g or g + 8, columns 2 t4, 2 t4 + 1) of each tile)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = r0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1), v = v0 + cc;
-                sN[i * SS + cc] = (v < V ? tU[i * BV + cc] : 0.0f) - ws[nt][e];
-            }
+        for (int e = 0; e < 8; ++e) sN[i * SS + cc0 + e] = vn[e];
         cp_async_wait<1>(); // group 2 of ch landed (group 3 may be in flight)
         __syncthreads();
         issue(1, ch + 1); // tW, tQ, tU: phase A is done with them
 
-        // B. o += Aqk v_new (Aqk is 0 right of the diagonal: the warp's k-steps end at its rows)
-        for (int j0 = 0; j0 < r0 + 16; j0 += 8) {
-            kda_u32 ah[4], al[4];
-            const float* ar = tA + (r0 + g) * CA + j0 + t4;
-            tf32_split(ar[0], ah[0], al[0]);
-            tf32_split(ar[8 * CA], ah[1], al[1]);
-            tf32_split(ar[4], ah[2], al[2]);
-            tf32_split(ar[8 * CA + 4], ah[3], al[3]);
+        // B. o += Aqk v_new (Aqk is 0 right of the diagonal); the outputs of the chunk's tokens
+        const float* ar = tA + i * CA;
+        for (int j = 0; j <= i; j += 4) {
+            const float4 a4 = *reinterpret_cast<const float4*>(ar + j);
+            const float a[4] = {a4.x, a4.y, a4.z, a4.w};
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                kda_u32 bh0, bl0, bh1, bl1;
-                tf32_split(sN[(j0 + t4) * SS + 8 * nt + g], bh0, bl0);
-                tf32_split(sN[(j0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
-                mma_3xtf32<false>(o[nt], ah, al, bh0, bh1, bl0, bl1);
+            for (int r = 0; r < 4; ++r) {
+                const float* nrow = sN + (j + r) * SS + cc0;
+                const float4 n0 = *reinterpret_cast<const float4*>(nrow);
+                const float4 n1 = *reinterpret_cast<const float4*>(nrow + 4);
+                o[0] += a[r] * n0.x;
+                o[1] += a[r] * n0.y;
+                o[2] += a[r] * n0.z;
+                o[3] += a[r] * n0.w;
+                o[4] += a[r] * n1.x;
+                o[5] += a[r] * n1.y;
+                o[6] += a[r] * n1.z;
+                o[7] += a[r] * n1.w;
             }
         }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-                const int i = r0 + g + 8 * h2, v = v0 + 8 * nt + 2 * t4;
-                if (i < len && v < V) {
-                    const IT x[2] = {KdaElem<IT>::from_f32(o[nt][2 * h2]), KdaElem<IT>::from_f32(o[nt][2 * h2 + 1])};
-                    kda_store_vec<IT, 2>(reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v, x);
-                }
-            }
-
+        if (i < len && cols) {
+            IT* op = reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v0 + cc0;
+            store_out4(op, o[0], o[1], o[2], o[3]);
+            store_out4(op + 4, o[4], o[5], o[6], o[7]);
+        }
         cp_async_wait<1>(); // group 3 of ch landed (group 1 of ch + 1 may be in flight)
         __syncthreads();
         issue(2, ch + 1); // tA: phase B is done with it
 
-        // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, 16 key rows per warp at a time
-        for (int m0 = 16 * warp; m0 < K; m0 += 16 * (STATE_THREADS / 32)) {
-            float acc[2][4];
+        // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, one thread per key row
+        for (int k = tid; k < K; k += blockDim.x) {
+            float s[BV];
+            const float d = tG[k];
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
+            for (int e = 0; e < BV; ++e) s[e] = sS[k * SS + e] * d;
+#pragma unroll 4
+            for (int t = 0; t < BT; ++t) {
+                const float kgv = tK[t * CK + k];
+                const float* nrow = sN + t * SS;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int k = m0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1);
-                    acc[nt][e] = tG[k] * sS[k * SS + cc];
-                }
-            for (int i0 = 0; i0 < BT; i0 += 8) {
-                // A = (k exp(Gc_last - Gc))^T: element (key row, chunk row i) is KG[i][key]
-                kda_u32 ah[4], al[4];
-                const float* kr = tK + (i0 + t4) * CK + m0 + g;
-                tf32_split(kr[0], ah[0], al[0]);
-                tf32_split(kr[8], ah[1], al[1]);
-                tf32_split(kr[4 * CK], ah[2], al[2]);
-                tf32_split(kr[4 * CK + 8], ah[3], al[3]);
-#pragma unroll
-                for (int nt = 0; nt < 2; ++nt) {
-                    kda_u32 bh0, bl0, bh1, bl1;
-                    tf32_split(sN[(i0 + t4) * SS + 8 * nt + g], bh0, bl0);
-                    tf32_split(sN[(i0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
-                    mma_3xtf32<false>(acc[nt], ah, al, bh0, bh1, bl0, bl1);
+                for (int e = 0; e < BV; e += 4) {
+                    const float4 n4 = *reinterpret_cast<const float4*>(nrow + e);
+                    s[e] += kgv * n4.x;
+                    s[e + 1] += kgv * n4.y;
+                    s[e + 2] += kgv * n4.z;
+                    s[e + 3] += kgv * n4.w;
                 }
             }
-            // (the warp's own rows of sS: phase A's reads of them are behind the barrier above)
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int k = m0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1);
-                    sS[k * SS + cc] = acc[nt][e];
-                }
+            for (int e = 0; e < BV; ++e) sS[k * SS + e] = s[e];
         }
     }
     cp_async_wait<0>(); // the last chunk's empty groups (none in flight past the piece)
@@ -580,7 +511,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     // The state of the piece's end: rounded into the slot, or carried in f32 to the next window.
     if (flags & KDA_PIECE_TO_SLOT) {
         const kda_u32 sr_base =
-            p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, call_epoch(p)) : 0u;
+            p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, p.epoch) : 0u;
         const kda_u32 elem0 = hv * (kda_u32)(K * V);
         for (int e = tid; e < K * BV; e += blockDim.x) {
             const int k = e / BV, cc = e - k * BV, v = v0 + cc;

@@ -45,7 +45,7 @@ const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8);
 pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
     k > 0
         && v > 0
-        && k.is_multiple_of(16)
+        && k.is_multiple_of(4)
         && v.is_multiple_of(8)
         && prep_smem(k, v).max(state_smem(k)) <= smem_optin
 }
@@ -53,7 +53,7 @@ pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
 /// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays).
 pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
     let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
-    4 * (3 * BT * ck + BT * cv + BT * ca + BT + (BT + 16) * ck)
+    4 * (3 * BT * ck + BT * cv + BT * ca + BT)
 }
 
 /// Dynamic shared memory of `kda_chunk_state`, bytes: its `sS` and `sN` arrays (rows of `BV +
@@ -61,7 +61,7 @@ pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
 /// to 4, plus 4; `tA`: `BT` rows of `BT + 4`; `tU`: `BT` rows of `BV`; `tG`: `k`).
 pub(crate) fn state_smem(k: usize) -> usize {
     let ck = k.next_multiple_of(4) + 4;
-    4 * ((k + BT) * (BV + 8) + 3 * BT * ck + BT * (BT + 4) + BT * BV + k)
+    4 * ((k + BT) * (BV + 4) + 3 * BT * ck + BT * (BT + 4) + BT * BV + k)
 }
 
 /// `kda_chunk_state` CTAs per (piece, value head).
@@ -210,8 +210,8 @@ mod tests {
         let h200 = 232_448;
         assert!(chunk_supported(128, 128, h200));
         assert!(chunk_supported(32, 48, h200));
-        assert_eq!(prep_smem(128, 128), 195_072);
-        assert!(!chunk_supported(30, 48, h200), "K not a multiple of 16");
+        assert_eq!(prep_smem(128, 128), 152_832);
+        assert!(!chunk_supported(30, 48, h200), "K not a multiple of 4");
         assert!(!chunk_supported(32, 44, h200), "V not a multiple of 8");
         assert!(
             !chunk_supported(256, 256, 101_376),
@@ -219,11 +219,8 @@ mod tests {
         );
         assert_eq!(vblocks(128), 8);
         assert_eq!(vblocks(48), 3);
-        assert_eq!(state_smem(128), 141_824);
-        assert_eq!(
-            state_smem(32),
-            4 * ((32 + BT) * (BV + 8) + 3 * BT * 36 + BT * (BT + 4) + BT * BV + 32)
-        );
+        assert_eq!(state_smem(128), 138_752);
+        assert_eq!(state_smem(32), 56_960);
     }
 
     #[test]
