@@ -626,8 +626,6 @@ mod tests {
         Some(compile_cubin(src, name, &options))
     }
 
-    /// Whether the CUBIN's string table names a symbol `name` (an entry point that
-    /// `load_function` looks up is one of its symbols).
     /// The two words between `kda_chunk_smem_bytes`' markers in a CUBIN's initialised data.
     fn chunk_smem_words(cubin: &[u8]) -> Option<[u32; 2]> {
         let word = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("four bytes"));
@@ -637,6 +635,8 @@ mod tests {
         })
     }
 
+    /// Whether the CUBIN's string table names a symbol `name` (an entry point that
+    /// `load_function` looks up is one of its symbols).
     fn has_entry(cubin: &[u8], name: &str) -> bool {
         let sym = [b"\0", name.as_bytes(), b"\0"].concat();
         cubin.windows(sym.len()).any(|w| w == sym.as_slice())
