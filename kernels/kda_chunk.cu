@@ -51,8 +51,8 @@ static_assert(PREP_THREADS % BT == 0, "kda_chunk_prep: whole rows of pairs");
 } // namespace kda
 
 // The dynamic shared memory each kernel carves up, in bytes, between two marker words: the
-// host sizes its launches with chunk_plan.rs's prep_smem and state_smem, and a test
-// (chunk_plan.rs) reads these words out of the compiled module to hold the two to the same
+// host sizes its launches with chunk_plan.rs's prep_smem and state_smem, and the NVRTC test
+// of registry.rs reads these words out of the compiled module to hold the two to the same
 // numbers.
 extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[4] = {0x4b444153u, 4u * kda::PREP_END, 4u * kda::ST_END,
                                                                 0x534d454du};
@@ -358,40 +358,33 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     ST* head = state_head(p, slot, hv);
     float* carry = reinterpret_cast<float*>(c.carry) + (size_t)hv * K * V;
 
+    // `rows` rows of `width` floats (a multiple of 4) from src (row stride ss) to dst (row
+    // stride ds), 16 bytes per cp.async.
+    auto copy_rows = [&](float* dst, int ds, const float* src, size_t ss, int rows, int width) {
+        const int pieces = width / 4;
+        for (int e = tid; e < rows * pieces; e += blockDim.x) {
+            const int r = e / pieces, x = 4 * (e - r * pieces);
+            cp_async16(dst + r * ds + x, src + r * ss + x);
+        }
+    };
     // The copies of chunk ch's group (1: w, q exp(Gc), u; 2: Aqk; 3: k exp(Gc_last - Gc),
     // exp(Gc_last)), committed as one group; none past the piece's last chunk (an empty group,
     // so every thread counts the same groups).
     auto issue = [&](int group, kda_u32 ch) {
         if (ch < c0 + nch) {
-            constexpr int R4 = K / 4; // 16-byte pieces of a K-wide row
             const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
             if (group == 1) {
-                const float* W = reinterpret_cast<const float*>(c.w) + kb;
-                const float* QG = reinterpret_cast<const float*>(c.qg) + kb;
-                for (int e = tid; e < BT * R4; e += blockDim.x) {
-                    const int r = e / R4, k = 4 * (e - r * R4);
-                    cp_async16(tW + r * CK + k, W + (size_t)r * K + k);
-                    cp_async16(tQ + r * CK + k, QG + (size_t)r * K + k);
-                }
+                copy_rows(tW, CK, reinterpret_cast<const float*>(c.w) + kb, K, BT, K);
+                copy_rows(tQ, CK, reinterpret_cast<const float*>(c.qg) + kb, K, BT, K);
+                // u's columns v0 .. v0 + BV that exist (V % 8 == 0: whole 16-byte pieces)
                 const float* U = reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-                for (int e = tid; e < BT * (BV / 4); e += blockDim.x) {
-                    const int r = e / (BV / 4), cc = 4 * (e - r * (BV / 4));
-                    if (v0 + cc < V) cp_async16(tU + r * BV + cc, U + (size_t)r * V + v0 + cc);
-                }
+                copy_rows(tU, BV, U + v0, V, BT, V - v0 < BV ? V - v0 : BV);
             } else if (group == 2) {
                 const float* AQ = reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
-                for (int e = tid; e < BT * (BT / 4); e += blockDim.x) {
-                    const int r = e / (BT / 4), j = 4 * (e - r * (BT / 4));
-                    cp_async16(tA + r * CA + j, AQ + (size_t)r * BT + j);
-                }
+                copy_rows(tA, CA, AQ, BT, BT, BT);
             } else {
-                const float* KG = reinterpret_cast<const float*>(c.kg) + kb;
-                for (int e = tid; e < BT * R4; e += blockDim.x) {
-                    const int r = e / R4, k = 4 * (e - r * R4);
-                    cp_async16(tK + r * CK + k, KG + (size_t)r * K + k);
-                }
-                const float* GL = reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K);
-                for (int e = tid; e < R4; e += blockDim.x) cp_async16(tG + 4 * e, GL + 4 * e);
+                copy_rows(tK, CK, reinterpret_cast<const float*>(c.kg) + kb, K, BT, K);
+                copy_rows(tG, K, reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K), K, 1, K);
             }
         }
         cp_async_commit();

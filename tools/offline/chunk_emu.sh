@@ -8,7 +8,8 @@
 # prefills against a float64 token recurrence, on eager pools and on pools with a ring (pending
 # entries folded first, a draft dropped), and windows of one chunk against one window (see
 # there). Variants: every state dtype and
-# layout, fp32 / bf16 / fp16 inputs, K x V of 32 x 48 and 128 x 128, stochastic rounding.
+# layout, fp32 / bf16 / fp16 inputs, K x V of 32 x 48, 32 x 40 (a last block of half its
+# columns) and 128 x 128, stochastic rounding.
 # Needs g++ 12 (C++20, _Float16); no GPU. A check of what the kernels compute before they run
 # on a device, not of their speed or of races the barriers do not order.
 set -euo pipefail
@@ -17,6 +18,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 variants=(
     "float float 0 32 48 0" "float float 1 32 48 0" "kda_half float 0 32 48 0" "kda_bf16 kda_bf16 1 32 48 0"
+    "float float 0 32 40 0"
     "kda_half kda_bf16 0 32 48 1" "kda_bf16 float 0 32 48 1" "float kda_half 0 32 48 0"
     "float kda_bf16 0 128 128 0" "kda_bf16 kda_bf16 0 128 128 0" "kda_half kda_bf16 1 128 128 0"
 )
