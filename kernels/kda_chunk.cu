@@ -34,19 +34,24 @@ constexpr int BT = 64;                 // tokens per chunk (cpu::chunk::BT)
 constexpr int CK = roundup(K, 4) + 4;  // smem row stride of K-wide rows: 16-byte rows, j-th row at bank 4 j
 constexpr int CV = roundup(V, 4) + 4;  // of V-wide rows
 constexpr int CA = BT + 4;             // of Akk rows
-constexpr int PREP_THREADS = 256;
+constexpr int PREP_THREADS = 512;
+constexpr int PREP_RG = PREP_THREADS / BT; // kda_chunk_prep: row groups of Akk and Aqk
+constexpr int BC = 16;                 // tokens per sub-chunk of Akk and Aqk
 constexpr int BV = 16;                 // value columns per kda_chunk_state CTA
-constexpr int SS = BV + 4;             // smem row stride of the state's columns
-constexpr int STATE_THREADS = 128;     // two per chunk row: BT * 2
+constexpr int SS = BV + 8;             // smem row stride of the state's columns (B fragments conflict-free)
+constexpr int STATE_THREADS = 128;     // one warp per 16 chunk rows
 constexpr float LOG2E = 1.4426950408889634f;
-// Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB.
+// Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB, sF (step 3's
+// factored rows, then step 5's traded sums).
 constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CV,
-              PREP_B = PREP_A + BT * CA, PREP_END = PREP_B + BT;
+              PREP_B = PREP_A + BT * CA, PREP_F = PREP_B + BT,
+              PREP_END = PREP_F + ((BT + BC) * CK > 16 * PREP_THREADS ? (BT + BC) * CK : 16 * PREP_THREADS);
 // kda_chunk_state: sS, sN, then the chunk's scratch tW, tQ, tK, tA, tU, tG.
 constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_Q = ST_W + BT * CK, ST_K = ST_Q + BT * CK,
               ST_A = ST_K + BT * CK, ST_U = ST_A + BT * CA, ST_G = ST_U + BT * BV, ST_END = ST_G + K;
-static_assert(STATE_THREADS == 2 * BT, "kda_chunk_state: two threads per chunk row");
-static_assert(PREP_THREADS % BT == 0, "kda_chunk_prep: whole rows of pairs");
+static_assert(STATE_THREADS == 32 * (BT / 16), "kda_chunk_state: one warp per 16 chunk rows");
+static_assert(PREP_THREADS == PREP_RG * BT && BC % PREP_RG == 0 && PREP_THREADS % 64 == 0,
+              "kda_chunk_prep: its thread maps");
 
 } // namespace kda
 
@@ -166,6 +171,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u
     float* sA = csm + PREP_A;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
     float* sB = csm + PREP_B;    // [BT] beta
+    float* sF = csm + PREP_F;    // [2 BC + BT - BC][CK] the factored rows and columns of Akk, Aqk
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
     const kda_u32 ch = blockIdx.x / p.hv, hv = blockIdx.x - ch * p.hv;
     const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
@@ -224,40 +230,99 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
     __syncthreads();
 
-    // 3. Akk and Aqk: thread (row group i0, column j) sums the pairs (i, j) of rows i = i0 + 4 m
-    //    over K with the exact exp2(Gc_i - Gc_j) of each element; a warp skips the rows above all
-    //    of its columns. Aqk (j <= i, else 0) goes to the scratch, beta_i Akk (j < i) to sA.
+    // 3. Akk and Aqk over sub-chunks of BC tokens. Diagonal blocks: thread (block, row group,
+    //    column) sums the pairs of rows i0 + PREP_RG m over K with the exact exp2(Gc_i - Gc_j)
+    //    of each element. Blocks left of the diagonal (block I, columns of blocks J < I): with r the
+    //    first token of I, exp2(Gc_i - Gc_j) = exp2(Gc_i - Gc_r) exp2(Gc_r - Gc_j), both
+    //    factors <= 1 (j < r <= i), so the rows k_i and q_i times the first factor and the
+    //    columns k_j times the second (in sF, per block I) meet in a plain product: BT K
+    //    exponentials per block row instead of one per element and pair. Aqk (j <= i, else 0)
+    //    goes to the scratch, beta_i Akk (j < i) to sA.
     {
-        constexpr int RG4 = PREP_THREADS / BT; // row groups
-        constexpr int RM = BT / RG4;           // rows per thread
-        const int j = tid % BT, i0 = tid / BT, jw = j & ~31;
-        float akk[RM], aqk[RM];
+        float* aq = reinterpret_cast<float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
+        // the diagonal blocks
+        {
+            const int blk = tid / (BC * PREP_RG), jl = tid % BC, il0 = (tid / BC) % PREP_RG;
+            const int j = blk * BC + jl;
+            float akk[BC / PREP_RG], aqk[BC / PREP_RG];
 #pragma unroll
-        for (int m = 0; m < RM; ++m) akk[m] = aqk[m] = 0.0f;
-        const float* kj = sK + j * CK;
-        const float* gj = sG + j * CK;
-        for (int k = 0; k < K; k += 4) {
-            const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
-            const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
+            for (int m = 0; m < BC / PREP_RG; ++m) akk[m] = aqk[m] = 0.0f;
+            const float* kj = sK + j * CK;
+            const float* gj = sG + j * CK;
+            for (int k = 0; k < K; k += 4) {
+                const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
+                const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
 #pragma unroll
-            for (int m = 0; m < RM; ++m) {
-                const int i = i0 + RG4 * m;
-                if (i < jw) continue; // every column of the warp is right of the diagonal
-                const float4 ki = *reinterpret_cast<const float4*>(sK + i * CK + k);
-                const float4 qi = *reinterpret_cast<const float4*>(sQ + i * CK + k);
-                const float4 gi = *reinterpret_cast<const float4*>(sG + i * CK + k);
-                const float e0 = kj4.x * exp2f(gi.x - gj4.x), e1 = kj4.y * exp2f(gi.y - gj4.y);
-                const float e2 = kj4.z * exp2f(gi.z - gj4.z), e3 = kj4.w * exp2f(gi.w - gj4.w);
-                akk[m] += ki.x * e0 + ki.y * e1 + ki.z * e2 + ki.w * e3;
-                aqk[m] += qi.x * e0 + qi.y * e1 + qi.z * e2 + qi.w * e3;
+                for (int m = 0; m < BC / PREP_RG; ++m) {
+                    const int i = blk * BC + il0 + PREP_RG * m;
+                    const float4 ki = *reinterpret_cast<const float4*>(sK + i * CK + k);
+                    const float4 qi = *reinterpret_cast<const float4*>(sQ + i * CK + k);
+                    const float4 gi = *reinterpret_cast<const float4*>(sG + i * CK + k);
+                    const float e0 = kj4.x * exp2f(gi.x - gj4.x), e1 = kj4.y * exp2f(gi.y - gj4.y);
+                    const float e2 = kj4.z * exp2f(gi.z - gj4.z), e3 = kj4.w * exp2f(gi.w - gj4.w);
+                    akk[m] += ki.x * e0 + ki.y * e1 + ki.z * e2 + ki.w * e3;
+                    aqk[m] += qi.x * e0 + qi.y * e1 + qi.z * e2 + qi.w * e3;
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < BC / PREP_RG; ++m) {
+                const int i = blk * BC + il0 + PREP_RG * m;
+                aq[i * BT + j] = j <= i ? aqk[m] : 0.0f;
+                sA[i * CA + j] = j < i ? sB[i] * akk[m] : 0.0f;
             }
         }
-        float* aq = reinterpret_cast<float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
+        // the blocks right of the diagonal: 0
+        for (int e = tid; e < BT * BT; e += blockDim.x) {
+            const int i = e / BT, j = e - i * BT;
+            if (j / BC > i / BC) {
+                aq[e] = 0.0f;
+                sA[i * CA + j] = 0.0f;
+            }
+        }
+        // the blocks left of it, one block row I at a time: sF holds the rows k_i and q_i of I
+        // times exp2(Gc_i - Gc_r) (rows 0 .. 2 BC), then the columns j < r times exp2(Gc_r - Gc_j)
+        for (int bi = 1; bi < BT / BC; ++bi) {
+            const int r = bi * BC;
+            __syncthreads(); // sF free (the previous block row's products done)
+            for (int e = tid; e < (2 * BC + r) * K; e += blockDim.x) {
+                const int row = e / K, kk = e - row * K;
+                const float gr = sG[r * CK + kk];
+                float x;
+                if (row < 2 * BC) {
+                    const int i = r + row % BC;
+                    x = (row < BC ? sK : sQ)[i * CK + kk] * exp2f(sG[i * CK + kk] - gr);
+                } else {
+                    const int j = row - 2 * BC;
+                    x = sK[j * CK + kk] * exp2f(gr - sG[j * CK + kk]);
+                }
+                sF[row * CK + kk] = x;
+            }
+            __syncthreads();
+            // thread (row group il0, column j < r): rows il0 + PREP_RG m of the block row
+            const int j = tid % BT, il0 = tid / BT;
+            if (j < r) {
+                float akk[BC / PREP_RG], aqk[BC / PREP_RG];
 #pragma unroll
-        for (int m = 0; m < RM; ++m) {
-            const int i = i0 + RG4 * m;
-            aq[i * BT + j] = j <= i ? aqk[m] : 0.0f;
-            sA[i * CA + j] = j < i ? sB[i] * akk[m] : 0.0f;
+                for (int m = 0; m < BC / PREP_RG; ++m) akk[m] = aqk[m] = 0.0f;
+                const float* bj = sF + (2 * BC + j) * CK;
+                for (int k = 0; k < K; k += 4) {
+                    const float4 b4 = *reinterpret_cast<const float4*>(bj + k);
+#pragma unroll
+                    for (int m = 0; m < BC / PREP_RG; ++m) {
+                        const int il = il0 + PREP_RG * m;
+                        const float4 ki = *reinterpret_cast<const float4*>(sF + il * CK + k);
+                        const float4 qi = *reinterpret_cast<const float4*>(sF + (BC + il) * CK + k);
+                        akk[m] += ki.x * b4.x + ki.y * b4.y + ki.z * b4.z + ki.w * b4.w;
+                        aqk[m] += qi.x * b4.x + qi.y * b4.y + qi.z * b4.z + qi.w * b4.w;
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < BC / PREP_RG; ++m) {
+                    const int i = r + il0 + PREP_RG * m;
+                    aq[i * BT + j] = aqk[m];
+                    sA[i * CA + j] = sB[i] * akk[m];
+                }
+            }
         }
     }
     __syncthreads();
@@ -285,23 +350,33 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
     __syncthreads();
 
-    // 5. w and u: (I + Akk) x = rhs by forward substitution, one thread per column of [w | u],
-    //    in place, eight rows at a time: x_i = rhs_i - sum_{j<i} Akk[i][j] x_j, the earlier
-    //    rows' sums from shared memory (four columns of Akk per load), the group's own in
-    //    registers. (Fully unrolled over all rows the compiler hoisted every load of Akk and
-    //    spilled.)
+    // 5. w and u: (I + Akk) x = rhs by forward substitution, in place, two threads per column of
+    //    [w | u] (lanes 2 c and 2 c + 1 of a warp), eight rows at a time: x_i = rhs_i -
+    //    sum_{j<i} Akk[i][j] x_j. Lane h of the pair sums the groups of four earlier rows j
+    //    with (j / 4) % 2 == h (from shared memory, four columns of Akk per load) and trades
+    //    its eight sums with its partner's through sX (a + b = b + a: both then hold the same
+    //    bits); both solve the group's own rows in registers, and each stores the four rows it
+    //    will read later, so only the trade waits on the other lane. (Fully unrolled over all
+    //    rows the compiler hoisted every load of Akk and spilled.) The trip count is the
+    //    block's, not the column's, as the trade needs the whole warp: a pair past the last
+    //    column computes on column 0 and stores nothing.
     {
         float* wout = reinterpret_cast<float*>(c.w) + chunk_block(p, ch, hv, (size_t)BT * K);
         float* uout = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-        for (int col = tid; col < K + V; col += blockDim.x) {
-            const bool isw = col < K;
-            float* x = isw ? sQ + col : sV + (col - K);
+        float* sX = sF; // [2][8][PREP_THREADS] the sums traded, by group parity (sF is free now)
+        const int half = tid & 1;
+        for (int c0 = 0; c0 < K + V; c0 += PREP_THREADS / 2) {
+            const int col = c0 + (tid >> 1);
+            const bool active = col < K + V;
+            const int cc = active ? col : 0;
+            const bool isw = cc < K;
+            float* x = isw ? sQ + cc : sV + (cc - K);
             const int rs = isw ? CK : CV;
             for (int g0 = 0; g0 < BT; g0 += 8) {
                 float acc[8];
 #pragma unroll
-                for (int r = 0; r < 8; ++r) acc[r] = x[(g0 + r) * rs];
-                for (int j = 0; j < g0; j += 4) {
+                for (int r = 0; r < 8; ++r) acc[r] = half ? 0.0f : x[(g0 + r) * rs];
+                for (int j = 4 * half; j < g0; j += 8) {
                     const float x0 = x[j * rs], x1 = x[(j + 1) * rs], x2 = x[(j + 2) * rs], x3 = x[(j + 3) * rs];
 #pragma unroll
                     for (int r = 0; r < 8; ++r) {
@@ -312,16 +387,32 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                         acc[r] -= a.w * x3;
                     }
                 }
+                // the trade (two buffers: the partner's read of this one precedes its arrival
+                // at the next group's barrier, and this lane's next write to it follows that)
+                float* xs = sX + ((g0 / 8) & 1) * 8 * PREP_THREADS;
+#pragma unroll
+                for (int r = 0; r < 8; ++r) xs[r * PREP_THREADS + tid] = acc[r];
+                KDA_SYNCWARP();
+#pragma unroll
+                for (int r = 0; r < 8; ++r) acc[r] += xs[r * PREP_THREADS + (tid ^ 1)];
 #pragma unroll
                 for (int r = 0; r < 8; ++r) {
 #pragma unroll
                     for (int q = 0; q < r; ++q) acc[r] -= sA[(g0 + r) * CA + g0 + q] * acc[q];
-                    x[(g0 + r) * rs] = acc[r];
+                }
+                if (active) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) x[(g0 + 4 * half + r) * rs] = acc[4 * half + r];
                 }
             }
-            float* dst = isw ? wout + col : uout + (col - K);
-            const int ds = isw ? K : V;
-            for (int i = 0; i < BT; ++i) dst[i * ds] = x[i * rs];
+            if (active) {
+                float* dst = isw ? wout + col : uout + (col - K);
+                const int ds = isw ? K : V;
+                for (int i = 4 * half; i < BT; i += 8) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) dst[(i + r) * ds] = x[(i + r) * rs];
+                }
+            }
         }
     }
 }
@@ -334,20 +425,21 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 // phase A, k exp(Gc_last - Gc) and exp(Gc_last) (phase C) during this chunk's phases A and B.
 // So each phase waits on loads that were in flight for a phase or two, not on a chain of
 // dependent global loads (the first version, about 30 us per chunk on an H100: fifty-seventh
-// session).
+// session). The products run on the tensor cores (3xTF32 mma.sync, f32 accuracy): warp w takes
+// chunk rows 16 w .. 16 w + 15 in phases A and B and key rows 16 (w + 4 m) .. in phase C.
 extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state(const KdaParams p,
                                                                                 const KdaChunkParams c) {
     using namespace kda;
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's state_smem
-    float* sS = csm;         // [K][SS] the state's columns v0 .. v0 + BV
-    float* sN = csm + ST_N;  // [BT][SS] v_new of the chunk
-    float* tW = csm + ST_W;  // [BT][CK] w
-    float* tQ = csm + ST_Q;  // [BT][CK] q exp(Gc)
-    float* tK = csm + ST_K;  // [BT][CK] k exp(Gc_last - Gc)
-    float* tA = csm + ST_A;  // [BT][CA] Aqk
-    float* tU = csm + ST_U;  // [BT][BV] u's columns v0 .. v0 + BV
-    float* tG = csm + ST_G;  // [K] exp(Gc_last)
-    const int tid = threadIdx.x;
+    float* sS = csm;          // [K][SS] the state's columns v0 .. v0 + BV
+    float* sN = csm + ST_N;   // [BT][SS] v_new of the chunk
+    float* tW = csm + ST_W;   // [BT][CK] w
+    float* tQ = csm + ST_Q;   // [BT][CK] q exp(Gc)
+    float* tK = csm + ST_K;   // [BT][CK] k exp(Gc_last - Gc)
+    float* tA = csm + ST_A;   // [BT][CA] Aqk
+    float* tU = csm + ST_U;   // [BT][BV] u's columns v0 .. v0 + BV
+    float* tG = csm + ST_G;   // [K] exp(Gc_last)
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     constexpr int VB = (V + BV - 1) / BV;
     const kda_u32 vb = blockIdx.x % VB, rest = blockIdx.x / VB;
     const kda_u32 pi = rest / p.hv, hv = rest - pi * p.hv;
@@ -401,9 +493,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     __syncthreads();
     if ((flags & KDA_PIECE_FROM_SLOT) && p.ring_len > 0) fold_pending(p, slot, hv, v0, sS, vb == 0 && hv == 0);
 
-    // thread (row i, half): columns cc0 .. cc0 + 8 of chunk row i in phases A and B
-    const int i = tid >> 1, cc0 = (tid & 1) * 8;
-    const bool cols = v0 + cc0 < V; // V % 8 == 0: all eight or none
+    const int r0 = 16 * warp; // the warp's chunk rows in phases A and B
     for (kda_u32 ch = c0; ch < c0 + nch; ++ch) {
         const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
         const kda_u32 tok0 = ct[0];
@@ -413,89 +503,110 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         __syncthreads();
         issue(3, ch); // tK and tG: the previous phase C is done with them
 
-        // A. v_new = u - w S and o = q exp(Gc) S for the thread's row and columns
-        float vn[8], o[8];
+        // A. w S and q exp(Gc) S for the warp's 16 rows and both 8-column tiles
+        float ws[2][4], o[2][4];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            vn[e] = cols ? tU[i * BV + cc0 + e] : 0.0f;
-            o[e] = 0.0f;
-        }
-        const float* wr = tW + i * CK;
-        const float* qr = tQ + i * CK;
-#pragma unroll 2
-        for (int k = 0; k < K; k += 4) {
-            const float4 w4 = *reinterpret_cast<const float4*>(wr + k);
-            const float4 q4 = *reinterpret_cast<const float4*>(qr + k);
-            const float wk[4] = {w4.x, w4.y, w4.z, w4.w}, qk[4] = {q4.x, q4.y, q4.z, q4.w};
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float* srow = sS + (k + r) * SS + cc0;
-                const float4 s0 = *reinterpret_cast<const float4*>(srow);
-                const float4 s1 = *reinterpret_cast<const float4*>(srow + 4);
-                const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+            for (int e = 0; e < 4; ++e) ws[nt][e] = o[nt][e] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            kda_u32 wh[4], wl[4], qh[4], ql[4];
+            const float* wr = tW + (r0 + g) * CK + k0 + t4;
+            const float* qr = tQ + (r0 + g) * CK + k0 + t4;
+            tf32_split(wr[0], wh[0], wl[0]);
+            tf32_split(wr[8 * CK], wh[1], wl[1]);
+            tf32_split(wr[4], wh[2], wl[2]);
+            tf32_split(wr[8 * CK + 4], wh[3], wl[3]);
+            tf32_split(qr[0], qh[0], ql[0]);
+            tf32_split(qr[8 * CK], qh[1], ql[1]);
+            tf32_split(qr[4], qh[2], ql[2]);
+            tf32_split(qr[8 * CK + 4], qh[3], ql[3]);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    vn[e] -= wk[r] * s[e];
-                    o[e] += qk[r] * s[e];
-                }
+            for (int nt = 0; nt < 2; ++nt) {
+                kda_u32 bh0, bl0, bh1, bl1;
+                tf32_split(sS[(k0 + t4) * SS + 8 * nt + g], bh0, bl0);
+                tf32_split(sS[(k0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
+                mma_3xtf32<false>(ws[nt], wh, wl, bh0, bh1, bl0, bl1);
+                mma_3xtf32<false>(o[nt], qh, ql, bh0, bh1, bl0, bl1);
             }
         }
+        // v_new = u - w S (accumulator (row g or g + 8, columns 2 t4, 2 t4 + 1) of each tile)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sN[i * SS + cc0 + e] = vn[e];
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = r0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1), v = v0 + cc;
+                sN[i * SS + cc] = (v < V ? tU[i * BV + cc] : 0.0f) - ws[nt][e];
+            }
         cp_async_wait<1>(); // group 2 of ch landed (group 3 may be in flight)
         __syncthreads();
         issue(1, ch + 1); // tW, tQ, tU: phase A is done with them
 
-        // B. o += Aqk v_new (Aqk is 0 right of the diagonal); the outputs of the chunk's tokens
-        const float* ar = tA + i * CA;
-        for (int j = 0; j <= i; j += 4) {
-            const float4 a4 = *reinterpret_cast<const float4*>(ar + j);
-            const float a[4] = {a4.x, a4.y, a4.z, a4.w};
+        // B. o += Aqk v_new (Aqk is 0 right of the diagonal: the warp's k-steps end at its rows)
+        for (int j0 = 0; j0 < r0 + 16; j0 += 8) {
+            kda_u32 ah[4], al[4];
+            const float* ar = tA + (r0 + g) * CA + j0 + t4;
+            tf32_split(ar[0], ah[0], al[0]);
+            tf32_split(ar[8 * CA], ah[1], al[1]);
+            tf32_split(ar[4], ah[2], al[2]);
+            tf32_split(ar[8 * CA + 4], ah[3], al[3]);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float* nrow = sN + (j + r) * SS + cc0;
-                const float4 n0 = *reinterpret_cast<const float4*>(nrow);
-                const float4 n1 = *reinterpret_cast<const float4*>(nrow + 4);
-                o[0] += a[r] * n0.x;
-                o[1] += a[r] * n0.y;
-                o[2] += a[r] * n0.z;
-                o[3] += a[r] * n0.w;
-                o[4] += a[r] * n1.x;
-                o[5] += a[r] * n1.y;
-                o[6] += a[r] * n1.z;
-                o[7] += a[r] * n1.w;
+            for (int nt = 0; nt < 2; ++nt) {
+                kda_u32 bh0, bl0, bh1, bl1;
+                tf32_split(sN[(j0 + t4) * SS + 8 * nt + g], bh0, bl0);
+                tf32_split(sN[(j0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
+                mma_3xtf32<false>(o[nt], ah, al, bh0, bh1, bl0, bl1);
             }
         }
-        if (i < len && cols) {
-            IT* op = reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v0 + cc0;
-            store_out4(op, o[0], o[1], o[2], o[3]);
-            store_out4(op + 4, o[4], o[5], o[6], o[7]);
-        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const int i = r0 + g + 8 * h2, v = v0 + 8 * nt + 2 * t4;
+                if (i < len && v < V) {
+                    const IT x[2] = {KdaElem<IT>::from_f32(o[nt][2 * h2]), KdaElem<IT>::from_f32(o[nt][2 * h2 + 1])};
+                    kda_store_vec<IT, 2>(reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v, x);
+                }
+            }
+
         cp_async_wait<1>(); // group 3 of ch landed (group 1 of ch + 1 may be in flight)
         __syncthreads();
         issue(2, ch + 1); // tA: phase B is done with it
 
-        // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, one thread per key row
-        for (int k = tid; k < K; k += blockDim.x) {
-            float s[BV];
-            const float d = tG[k];
+        // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, 16 key rows per warp at a time
+        for (int m0 = 16 * warp; m0 < K; m0 += 16 * (STATE_THREADS / 32)) {
+            float acc[2][4];
 #pragma unroll
-            for (int e = 0; e < BV; ++e) s[e] = sS[k * SS + e] * d;
-#pragma unroll 4
-            for (int t = 0; t < BT; ++t) {
-                const float kgv = tK[t * CK + k];
-                const float* nrow = sN + t * SS;
+            for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-                for (int e = 0; e < BV; e += 4) {
-                    const float4 n4 = *reinterpret_cast<const float4*>(nrow + e);
-                    s[e] += kgv * n4.x;
-                    s[e + 1] += kgv * n4.y;
-                    s[e + 2] += kgv * n4.z;
-                    s[e + 3] += kgv * n4.w;
+                for (int e = 0; e < 4; ++e) {
+                    const int k = m0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1);
+                    acc[nt][e] = tG[k] * sS[k * SS + cc];
+                }
+            for (int i0 = 0; i0 < BT; i0 += 8) {
+                // A = (k exp(Gc_last - Gc))^T: element (key row, chunk row i) is KG[i][key]
+                kda_u32 ah[4], al[4];
+                const float* kr = tK + (i0 + t4) * CK + m0 + g;
+                tf32_split(kr[0], ah[0], al[0]);
+                tf32_split(kr[8], ah[1], al[1]);
+                tf32_split(kr[4 * CK], ah[2], al[2]);
+                tf32_split(kr[4 * CK + 8], ah[3], al[3]);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    kda_u32 bh0, bl0, bh1, bl1;
+                    tf32_split(sN[(i0 + t4) * SS + 8 * nt + g], bh0, bl0);
+                    tf32_split(sN[(i0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
+                    mma_3xtf32<false>(acc[nt], ah, al, bh0, bh1, bl0, bl1);
                 }
             }
+            // (the warp's own rows of sS: phase A's reads of them are behind the barrier above)
 #pragma unroll
-            for (int e = 0; e < BV; ++e) sS[k * SS + e] = s[e];
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int k = m0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1);
+                    sS[k * SS + cc] = acc[nt][e];
+                }
         }
     }
     cp_async_wait<0>(); // the last chunk's empty groups (none in flight past the piece)
@@ -504,7 +615,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     // The state of the piece's end: rounded into the slot, or carried in f32 to the next window.
     if (flags & KDA_PIECE_TO_SLOT) {
         const kda_u32 sr_base =
-            p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, p.epoch) : 0u;
+            p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, call_epoch(p)) : 0u;
         const kda_u32 elem0 = hv * (kda_u32)(K * V);
         for (int e = tid; e < K * BV; e += blockDim.x) {
             const int k = e / BV, cc = e - k * BV, v = v0 + cc;

@@ -67,50 +67,6 @@ struct MmaLayout {
     }
 };
 
-// tf32 operands of mma.sync: the value rounded to tf32 (nearest, ties away from zero, in
-// integer arithmetic: cheaper than cvt.rna.tf32, which sm_90 runs as several instructions) and
-// what is left, rounded the same way; x - hi is exact in f32.
-__device__ __forceinline__ kda_u32 tf32_of(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
-__device__ __forceinline__ void tf32_split(float x, kda_u32& hi, kda_u32& lo) {
-    hi = tf32_of(x);
-    lo = tf32_of(x - __uint_as_float(hi));
-}
-
-// c += a b for one m16n8k8 tile (row-major A fragment a, column-major B fragment b0, b1, f32
-// accumulators c: PTX's mma.m16n8k8 fragment layouts).
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const kda_u32 (&a)[4], kda_u32 b0, kda_u32 b1) {
-#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    // the same product from the same fragments through shuffles (devices without mma.sync)
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-        const float a_lo = __uint_as_float(KDA_SHFL(kk < 4 ? a[0] : a[2], 4 * g + (kk & 3)));
-        const float a_hi = __uint_as_float(KDA_SHFL(kk < 4 ? a[1] : a[3], 4 * g + (kk & 3)));
-        const float b_0 = __uint_as_float(KDA_SHFL(kk < 4 ? b0 : b1, 8 * t + (kk & 3)));
-        const float b_1 = __uint_as_float(KDA_SHFL(kk < 4 ? b0 : b1, 8 * t + 4 + (kk & 3)));
-        c[0] = fmaf(a_lo, b_0, c[0]);
-        c[1] = fmaf(a_lo, b_1, c[1]);
-        c[2] = fmaf(a_hi, b_0, c[2]);
-        c[3] = fmaf(a_hi, b_1, c[3]);
-    }
-#endif
-}
-
-// c += a b with both operands split (3xTF32), or with b exact in tf32 (bl unused: a 2-byte
-// state element is).
-template <bool B_EXACT>
-__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const kda_u32 (&ah)[4], const kda_u32 (&al)[4], kda_u32 bh0,
-                                           kda_u32 bh1, kda_u32 bl0, kda_u32 bl1) {
-    mma_tf32(c, al, bh0, bh1);
-    if constexpr (!B_EXACT) mma_tf32(c, ah, bl0, bl1);
-    mma_tf32(c, ah, bh0, bh1);
-}
-
 // An A fragment of the f32 rows at `rows` (pitch AP; rows from `nrows` on are zeros): rows
 // r0 + g (+ 8), columns c0 + t (+ 4), split.
 __device__ __forceinline__ void frag_a(const float* rows, int nrows, int r0, int c0, int g, int t, kda_u32 (&ah)[4],

@@ -18,12 +18,12 @@ pub enum BackendKind {
 /// The `--prefill-kernel` flag's values (the CUDA backend's prefill kernels).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PrefillKernelArg {
-    /// `kda_step`, token by token (the default).
+    /// `kda_step`, token by token.
     Steps,
     /// The chunked kernels (`kda_chunk_prep`, `kda_chunk_state`).
     Chunked,
     /// The chunked kernels where the call's shape is expected to run faster chunked, else
-    /// `kda_step`.
+    /// `kda_step` (the default).
     ByShape,
 }
 

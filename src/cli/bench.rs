@@ -843,35 +843,28 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                     enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                 }
                                 let (sb, sets) = (s.state_bytes(), s.batches.len());
-                                // the default (token by token), each of --warps (warps per
-                                // CTA) token by token, the chunked kernels, then the choice by
-                                // the call's shape
-                                let rows = std::iter::once(("prefill".to_string(), None, None))
-                                    .chain(warps.iter().map(|&w| {
-                                        let steps = Some(PrefillKernel::Steps);
-                                        (format!("prefill-w{w}"), Some(w), steps)
-                                    }))
-                                    .chain(std::iter::once((
-                                        "prefill-chunked".to_string(),
-                                        None,
-                                        Some(PrefillKernel::Chunked),
-                                    )))
-                                    .chain(std::iter::once((
-                                        "prefill-by-shape".to_string(),
-                                        None,
-                                        Some(PrefillKernel::ByShape),
-                                    )));
+                                // the default (the choice by the call's shape), the token
+                                // loop, each of --warps (warps per CTA) token by token, then
+                                // the chunked kernels
+                                let steps = Some(PrefillKernel::Steps);
+                                let mut rows = vec![
+                                    ("prefill".to_string(), None, None),
+                                    ("prefill-steps".to_string(), None, steps),
+                                ];
+                                rows.extend(
+                                    warps
+                                        .iter()
+                                        .map(|&w| (format!("prefill-w{w}"), Some(w), steps)),
+                                );
+                                let chunked = Some(PrefillKernel::Chunked);
+                                rows.push(("prefill-chunked".to_string(), None, chunked));
                                 for (op, w, pk) in rows {
                                     be.set_eager_warps(w).map_err(kerr)?;
                                     be.set_prefill_kernel(pk).map_err(kerr)?;
-                                    if matches!(
-                                        pk,
-                                        Some(PrefillKernel::Chunked | PrefillKernel::ByShape)
-                                    ) {
-                                        // its tables and scratch made before the graph's capture
-                                        for set in 0..s.batches.len() {
-                                            enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
-                                        }
+                                    // the chunked kernels' tables and scratch made before the
+                                    // graph's capture (where the row's choice takes them)
+                                    for set in 0..s.batches.len() {
+                                        enqueue(&be, &mut s, kind, set, None).map_err(kerr)?;
                                     }
                                     let us = b.time(&mut s, kind, None)?;
                                     b.record(&op, h, n, l, 0, state, layout, sets, us, 2.0 * sb)?;

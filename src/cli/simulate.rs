@@ -92,8 +92,8 @@ pub struct Args {
     /// of a fixed size does; N at most the pool's request and checkpoint slots.
     #[arg(long, value_name = "N")]
     pub pad_to: Option<usize>,
-    /// The CUDA backend's prefill kernel: steps (token by token, its default), chunked, or
-    /// by-shape (chunked where the call's shape is expected to run faster so) (--backend cuda
+    /// The CUDA backend's prefill kernel: steps (token by token), chunked, or by-shape (chunked
+    /// where the call's shape is expected to run faster so; its default) (--backend cuda
     /// only).
     #[arg(long, value_enum, value_name = "K")]
     pub prefill_kernel: Option<PrefillKernelArg>,

@@ -5,6 +5,7 @@ line per row; a failing call is a row with its error. Arguments: which kinds to 
 recurrent; default both): run each in a process of its own, as a fault in one (an illegal
 address) leaves the process's CUDA context unusable."""
 import json
+import os
 import sys
 
 import torch
@@ -33,7 +34,9 @@ def row(**kw):
     print(json.dumps(kw), flush=True)
 
 
-for H in (12, 32):
+# FLA_HEADS (default 12,32): the value heads to run (its Triton autotuning takes minutes per shape)
+heads = [int(h) for h in os.environ.get("FLA_HEADS", "12,32").split(",")]
+for H in heads:
     for nseq, L in ((1, 256), (32, 256), (1, 2048), (8, 4096), (1, 32768)):
         if H == 32 and L == 32768:
             continue

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-#   tools/device/prefill_call.sh TESTED BUILD...     (on the device, from the repository root)
-# One device call for the GPU prefill: the GPU prefill tests of build .devbin/TESTED, then
+#   tools/device/prefill_call.sh TESTED[,TESTED...] BUILD...     (on the device, from the repository root)
+# One device call for the GPU prefill: the GPU prefill tests of each build .devbin/TESTED, then
 # `bench --op prefill` of every BUILD (H 12 and 32; 1 x 256, 32 x 256, 1 x 2048, 8 x 4096 at
 # every dtype; 1 x 32768 fp16), fla-core's chunk_kda on the same shapes (tools/device/
-# fla_prefill.py, from the wheel in .whl/), and ncu's view of the chunked kernels of TESTED at
-# H 32, 8 x 4096, fp32. Each build made here with tools/device/build_carry.sh NAME and carried
+# fla_prefill.py, from the wheel in .whl/; FLA_HEADS picks its heads, FLA_TIMEOUT its seconds,
+# default 150), and ncu's view of the chunked kernels of the last TESTED at H 32, 8 x 4096, fp32. Each build made here with tools/device/build_carry.sh NAME and carried
 # with .whl. Writes $OUT/q.tgz (re-packed after each part, so a call cut short still returns
 # what ran).
 set -u
@@ -25,13 +25,16 @@ bench() { # BUILD TAG TIMEOUT ARGS...
     el "$tag $b rc=$?"
 }
 el start
-KDA_KERNEL_CACHE=.devbin/$tested/kc timeout 100 .devbin/$tested/cuda_backend --test-threads 1 prefill \
-    >"$O/t_prefill_$tested.txt" 2>&1
-el "tests $tested rc=$?"
+for t in ${tested//,/ }; do
+    KDA_KERNEL_CACHE=.devbin/$t/kc timeout 100 .devbin/$t/cuda_backend --test-threads 1 prefill \
+        >"$O/t_prefill_$t.txt" 2>&1
+    el "tests $t rc=$?"
+done
+tested=$t
 for b in "$@"; do bench "$b" b 100 --heads 12,32 --prefill-lens 1x256,32x256,1x2048,8x4096 --replays 8; done
 for b in "$@"; do bench "$b" bl 60 --heads 12,32 --states fp16 --prefill-lens 1x32768 --replays 4; done
 pack
-timeout 150 python3 tools/device/fla_prefill.py chunk >"$O/fla_chunk.txt" 2>&1
+timeout "${FLA_TIMEOUT:-150}" python3 tools/device/fla_prefill.py chunk >"$O/fla_chunk.txt" 2>&1
 el "fla chunk rc=$?"
 pack
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)

@@ -83,18 +83,17 @@ pub enum RingKernel {
 /// The prefill kernels of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillKernel {
-    /// `kda_step`: every token of a sequence after the other, decode's token step (the
-    /// default until the chunked kernels pass the GPU tests).
+    /// `kda_step`: every token of a sequence after the other, decode's token step (many
+    /// short sequences: 32 x 256 tokens ran about 2x faster than chunked on an H200).
     Steps,
     /// `kda_chunk_prep` then `kda_chunk_state` (spec section 3): chunks of 64 tokens prepared
     /// all at once, then the state carried from chunk to chunk. Plain batches of heads with
-    /// `K % 4 == 0` and `V % 8 == 0` whose preparation fits shared memory (K = V = 128 does);
+    /// `K % 16 == 0` and `V % 8 == 0` whose preparation fits shared memory (K = V = 128 does);
     /// other calls run `Steps`. Not the bits of `Steps` (fp32 states within about 1e-6,
     /// 2-byte ones within one rounding step of them).
     Chunked,
     /// `Chunked` where a cost model of the call's shape expects it faster than `Steps` (a few
-    /// long sequences: one sequence of 256 tokens or more ran 1.6-3.0x faster chunked on an
-    /// H100, 8 or 32 sequences 1.2-2.8x slower), else `Steps`. Meant to become the default
-    /// once the chunked kernels pass the GPU tests.
+    /// long sequences: one sequence of 256 tokens or more ran 2-7x faster chunked on an H200,
+    /// 32 sequences of 256 about 2x slower), else `Steps`. The default.
     ByShape,
 }

@@ -110,6 +110,7 @@ struct EmuBlock {
     struct Warp {
         std::barrier<> bar{32};
         uint64_t slot[32];
+        uint32_t frag[32][6];
     };
     std::vector<std::unique_ptr<Warp>> warps;
 };
@@ -133,6 +134,34 @@ template <typename T> T emu_shfl(T x, int src_lane) {
     return y;
 }
 inline int emu_lane() { return (int)(threadIdx.x % 32); }
+
+// kda_common.cuh's mma_tf32 fallback in one exchange of the warp's fragments instead of 32
+// shuffles: the same reads of the same lanes, the same fmaf order, so the same bits.
+template <typename U>
+void emu_mma_tf32(float (&c)[4], const U (&a)[4], U b0, U b1) {
+    auto& w = *emu_block->warps[threadIdx.x / 32];
+    const int lane = emu_lane(), g = lane >> 2, t = lane & 3;
+    uint32_t* mine = w.frag[lane];
+    for (int i = 0; i < 4; ++i) mine[i] = a[i];
+    mine[4] = b0;
+    mine[5] = b1;
+    w.bar.arrive_and_wait();
+    auto f = [&](int src, int i) {
+        float x;
+        std::memcpy(&x, &w.frag[src][i], 4);
+        return x;
+    };
+    for (int kk = 0; kk < 8; ++kk) {
+        const float a_lo = f(4 * g + (kk & 3), kk < 4 ? 0 : 2), a_hi = f(4 * g + (kk & 3), kk < 4 ? 1 : 3);
+        const float b_0 = f(8 * t + (kk & 3), kk < 4 ? 4 : 5), b_1 = f(8 * t + 4 + (kk & 3), kk < 4 ? 4 : 5);
+        c[0] = fmaf(a_lo, b_0, c[0]);
+        c[1] = fmaf(a_lo, b_1, c[1]);
+        c[2] = fmaf(a_hi, b_0, c[2]);
+        c[3] = fmaf(a_hi, b_1, c[3]);
+    }
+    w.bar.arrive_and_wait();
+}
+#define KDA_EMU_MMA_TF32(c, a, b0, b1) emu_mma_tf32((c), (a), (b0), (b1))
 #define KDA_SHFL_XOR(val, mask) emu_shfl((val), emu_lane() ^ (int)(mask))
 #define KDA_SHFL(val, src) emu_shfl((val), (int)(src))
 #define KDA_SYNCWARP() __syncwarp()

@@ -140,7 +140,7 @@ pub struct CudaBackend {
     /// Whether kernels launch as programmatic dependent launches (`None`: per call,
     /// `dependent_launch`).
     dependent_launch: Mutex<Option<bool>>,
-    /// The prefill kernel asked for (`None`: `PrefillKernel::Steps`).
+    /// The prefill kernel asked for (`None`: `PrefillKernel::ByShape`).
     prefill_kernel: Mutex<Option<PrefillKernel>>,
     /// The chunked prefill's scratch (grown on demand, kept) and its budget, bytes.
     chunk_scratch: Mutex<(Option<CudaBuffer>, usize)>,
@@ -360,11 +360,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Chooses the prefill kernel ([`PrefillKernel`]): `None` (the default) and `Steps` run
-    /// `kda_step` token by token; `Chunked` runs the chunked kernels where the call fits them
-    /// (plain batches, `K % 4 == 0`, `V % 8 == 0`, their shared memory within the device's),
-    /// else `kda_step`; `ByShape` runs them where they fit and a cost model of the call's shape
-    /// expects them faster (a few long sequences; docs/performance.md, fifty-seventh session),
+    /// Chooses the prefill kernel ([`PrefillKernel`]): `Steps` runs `kda_step` token by token;
+    /// `Chunked` runs the chunked kernels where the call fits them (plain batches, `K % 16 ==
+    /// 0`, `V % 8 == 0`, their shared memory within the device's), else `kda_step`; `None`
+    /// (the default) and `ByShape` run them where they fit and a cost model of the call's shape
+    /// expects them faster (a few long sequences; docs/performance.md, fifty-eighth session),
     /// else `kda_step`.
     pub fn set_prefill_kernel(&self, kernel: Option<PrefillKernel>) -> Result<()> {
         *self.prefill_kernel.lock() = kernel;
@@ -566,7 +566,7 @@ impl CudaBackend {
 
     /// Whether a call runs the chunked prefill: a prefill of a plain batch, a head shape the
     /// kernels take on this device, and asked for ([`CudaBackend::set_prefill_kernel`]):
-    /// `Chunked`, or `ByShape` where the call's shape is expected to run faster chunked
+    /// `Chunked`, or `ByShape` (the default) where the call's shape is expected to run faster chunked
     /// ([`chunk_plan::prefer_chunked`]).
     fn chunked(&self, call: &Call<'_, '_>, g: &PoolGeometry) -> bool {
         call.op == Op::Prefill
@@ -574,10 +574,10 @@ impl CudaBackend {
             && chunk_supported(g.k, g.v, self.smem_optin)
             && match *self.prefill_kernel.lock() {
                 Some(PrefillKernel::Chunked) => true,
-                Some(PrefillKernel::ByShape) => {
+                Some(PrefillKernel::ByShape) | None => {
                     prefer_chunked(&call.batch.plans.as_ref().bounds, g.hv)
                 }
-                Some(PrefillKernel::Steps) | None => false,
+                Some(PrefillKernel::Steps) => false,
             }
     }
 
@@ -1291,7 +1291,8 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    /// Prefill token by token on `kda_step`, or with `PrefillKernel::Chunked` in chunks
+    /// Prefill token by token on `kda_step`, or where [`CudaBackend::set_prefill_kernel`]'s
+    /// choice takes them in chunks
     /// (`kda_chunk_prep`, `kda_chunk_state`): the CPU backend's result up to the f32
     /// arithmetic's order (docs/architecture.md).
     fn prefill(

@@ -9,7 +9,7 @@ pub(crate) const BT: usize = 64;
 /// Value columns per `kda_chunk_state` CTA (`BV`).
 pub(crate) const BV: usize = 16;
 /// Threads of a `kda_chunk_prep` CTA (`PREP_THREADS`).
-pub(crate) const PREP_THREADS: usize = 256;
+pub(crate) const PREP_THREADS: usize = 512;
 /// Threads of a `kda_chunk_state` CTA (`STATE_THREADS`).
 pub(crate) const STATE_THREADS: usize = 128;
 /// `KDA_PIECE_FROM_SLOT`: the piece starts from the slot's state (else from the carry).
@@ -40,28 +40,34 @@ pub(crate) struct ChunkParams {
 
 const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8);
 
-/// Whether the chunked kernels take heads of `k` x `v` (float4 rows of K, eight output columns
-/// at a time) within `smem_optin` bytes of shared memory per CTA.
+/// Whether the chunked kernels take heads of `k` x `v` (K in the tensor cores' tiles of 16
+/// rows, eight output columns at a time) within `smem_optin` bytes of shared memory per CTA.
 pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
     k > 0
         && v > 0
-        && k.is_multiple_of(4)
+        && k.is_multiple_of(16)
         && v.is_multiple_of(8)
         && prep_smem(k, v).max(state_smem(k)) <= smem_optin
 }
 
-/// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays).
+/// Tokens per sub-chunk of `kda_chunk_prep`'s factored `Akk` and `Aqk` (`BC`).
+const BC: usize = 16;
+
+/// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays and `sF`: the
+/// factored rows of one block row, `BT + BC` rows of K, then the forward substitution's traded
+/// sums, two buffers of eight per thread).
 pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
     let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
-    4 * (3 * BT * ck + BT * cv + BT * ca + BT)
+    let f = ((BT + BC) * ck).max(16 * PREP_THREADS);
+    4 * (3 * BT * ck + BT * cv + BT * ca + BT + f)
 }
 
 /// Dynamic shared memory of `kda_chunk_state`, bytes: its `sS` and `sN` arrays (rows of `BV +
-/// 4` floats) and one chunk's scratch copied in (`tW`, `tQ`, `tK`: `BT` rows of `k` rounded up
+/// 8` floats) and one chunk's scratch copied in (`tW`, `tQ`, `tK`: `BT` rows of `k` rounded up
 /// to 4, plus 4; `tA`: `BT` rows of `BT + 4`; `tU`: `BT` rows of `BV`; `tG`: `k`).
 pub(crate) fn state_smem(k: usize) -> usize {
     let ck = k.next_multiple_of(4) + 4;
-    4 * ((k + BT) * (BV + 4) + 3 * BT * ck + BT * (BT + 4) + BT * BV + k)
+    4 * ((k + BT) * (BV + 8) + 3 * BT * ck + BT * (BT + 4) + BT * BV + k)
 }
 
 /// `kda_chunk_state` CTAs per (piece, value head).
@@ -210,8 +216,8 @@ mod tests {
         let h200 = 232_448;
         assert!(chunk_supported(128, 128, h200));
         assert!(chunk_supported(32, 48, h200));
-        assert_eq!(prep_smem(128, 128), 152_832);
-        assert!(!chunk_supported(30, 48, h200), "K not a multiple of 4");
+        assert_eq!(prep_smem(128, 128), 195_072);
+        assert!(!chunk_supported(30, 48, h200), "K not a multiple of 16");
         assert!(!chunk_supported(32, 44, h200), "V not a multiple of 8");
         assert!(
             !chunk_supported(256, 256, 101_376),
@@ -219,8 +225,11 @@ mod tests {
         );
         assert_eq!(vblocks(128), 8);
         assert_eq!(vblocks(48), 3);
-        assert_eq!(state_smem(128), 138_752);
-        assert_eq!(state_smem(32), 56_960);
+        assert_eq!(state_smem(128), 141_824);
+        assert_eq!(
+            state_smem(32),
+            4 * ((32 + BT) * (BV + 8) + 3 * BT * 36 + BT * (BT + 4) + BT * BV + 32)
+        );
     }
 
     #[test]
