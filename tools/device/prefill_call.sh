@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-#   tools/device/prefill_call.sh TESTED[,TESTED...] BUILD...     (on the device, from the repository root)
-# One device call for the GPU prefill: the GPU prefill tests of each build .devbin/TESTED, then
-# `bench --op prefill` of every BUILD (H 12 and 32; 1 x 256, 32 x 256, 1 x 2048, 8 x 4096 at
-# every dtype; 1 x 32768 fp16), fla-core's chunk_kda on the same shapes (tools/device/
-# fla_prefill.py, from the wheel in .whl/; FLA_HEADS picks its heads, FLA_TIMEOUT its seconds,
-# default 150), and ncu's view of the chunked kernels of the last TESTED at H 32, 8 x 4096, fp32. Each build made here with tools/device/build_carry.sh NAME and carried
-# with .whl. Writes $OUT/q.tgz (re-packed after each part, so a call cut short still returns
-# what ran).
+#   tools/device/prefill_call.sh TESTED[,TESTED...] BUILD...   (on the device, from the repository root)
+# One device call for the GPU prefill: the GPU tests of each build .devbin/TESTED (TEST_FILTER,
+# default prefill, empty for all; TEST_TIMEOUT seconds each, default 100), then `bench --op
+# prefill` of every BUILD (H 12 and 32; 1 x 256, 32 x 256, 1 x 2048, 8 x 4096 at every dtype;
+# 1 x 32768 fp16), fla-core's chunk_kda on the same shapes (tools/device/fla_prefill.py, from
+# the wheel in .whl/; FLA_HEADS picks its heads, FLA_TIMEOUT its seconds, default 150), and
+# ncu's view of the chunked kernels of the last TESTED at H 32, 8 x 4096, fp32. Each build made
+# here with tools/device/build_carry.sh NAME and carried with .whl. Writes $OUT/q.tgz
+# (re-packed after each part, so a call cut short still returns what ran).
 set -u
 tested=${1:?usage: prefill_call.sh TESTED BUILD...}
 shift
@@ -26,7 +27,7 @@ bench() { # BUILD TAG TIMEOUT ARGS...
 }
 el start
 for t in ${tested//,/ }; do
-    KDA_KERNEL_CACHE=.devbin/$t/kc timeout 100 .devbin/$t/cuda_backend --test-threads 1 prefill \
+    KDA_KERNEL_CACHE=.devbin/$t/kc timeout "${TEST_TIMEOUT:-100}" .devbin/$t/cuda_backend --test-threads 1 "${TEST_FILTER-prefill}" \
         >"$O/t_prefill_$t.txt" 2>&1
     el "tests $t rc=$?"
 done
