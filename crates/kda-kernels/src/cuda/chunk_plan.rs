@@ -177,23 +177,23 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
 }
 
 /// Whether the chunked kernels are expected to prefill a call of `hv` value heads over the
-/// sequences of `bounds` faster than `kda_step`'s token loop ([`crate::PrefillKernel::ByShape`]).
-/// A cost model fitted to the H100 rows of the
-/// fifty-seventh session (docs/performance.md; K = V = 128, every dtype within a few percent):
-/// the token loop costs its longest sequence's tokens times a step that grows with the
-/// (sequence, head) pairs it runs side by side; the chunked kernels cost the longer of their
-/// state pass's chain (the longest sequence's chunks, one after another) and their throughput
-/// over every (chunk, head) block. Where the two are within the model's error either is
-/// acceptable; the model only has to keep the clear cases right (one long sequence: chunked,
-/// up to 3x faster; many short ones: the token loop, up to 2.5x faster).
+/// sequences of `bounds` faster than `kda_step`'s token loop ([`crate::PrefillKernel::ByShape`],
+/// the default). A cost model fitted to the H200 rows of the fifty-eighth session
+/// (docs/performance.md; K = V = 128, every dtype within a few percent): the token loop costs
+/// its longest sequence's tokens times a step that grows with the (sequence, head) pairs it
+/// runs side by side; the chunked kernels cost a fixed part, their preparation and state pass
+/// over every (chunk, head) block, and the state pass's chain (the longest sequence's chunks,
+/// one after another). Where the two are within the model's error either is acceptable; the
+/// model only has to keep the clear cases right (one sequence of 256 tokens or more: chunked,
+/// 2-7x faster; 32 of 256: the token loop, about 2x faster).
 pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
     /// The token loop: us per token step, and per (sequence, head) pair run side by side.
     const STEP_US: f64 = 1.1;
     const STEP_US_PER_PAIR: f64 = 0.0065;
-    /// The chunked kernels: fixed us per call, us per chunk of the chain, us per (chunk, head).
+    /// The chunked kernels: fixed us per call, us per (chunk, head), us per chunk of the chain.
     const CHUNK_FIXED_US: f64 = 30.0;
-    const CHUNK_CHAIN_US: f64 = 31.0;
-    const CHUNK_BLOCK_US: f64 = 1.3;
+    const CHUNK_BLOCK_US: f64 = 1.1;
+    const CHUNK_CHAIN_US: f64 = 1.2;
     let lens = bounds.windows(2).map(|b| b[1] - b[0]);
     let (n, longest) = (
         bounds.len().saturating_sub(1),
@@ -201,9 +201,10 @@ pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
     );
     let chunks: usize = lens.map(|l| l.div_ceil(BT)).sum();
     let steps = longest as f64 * (STEP_US + STEP_US_PER_PAIR * (n * hv) as f64);
-    let chain = longest.div_ceil(BT) as f64 * CHUNK_CHAIN_US;
-    let blocks = (chunks * hv) as f64 * CHUNK_BLOCK_US;
-    CHUNK_FIXED_US + chain.max(blocks) < steps
+    let chunked = CHUNK_FIXED_US
+        + (chunks * hv) as f64 * CHUNK_BLOCK_US
+        + longest.div_ceil(BT) as f64 * CHUNK_CHAIN_US;
+    chunked < steps
 }
 
 #[cfg(test)]
@@ -251,18 +252,19 @@ mod tests {
     #[test]
     fn one_long_sequence_prefills_chunked_and_many_short_ones_token_by_token() {
         let seqs = |n: usize, l: usize| (0..=n).map(|i| i * l).collect::<Vec<_>>();
-        // the fifty-seventh session's H100 rows: chunked 1.6-3.0x faster
+        // the fifty-eighth session's H200 rows: chunked 2-7x faster
         for (n, l, hv) in [
             (1, 256, 12),
             (1, 2048, 12),
             (1, 32768, 12),
             (1, 256, 32),
             (1, 2048, 32),
+            (1, 32768, 32),
         ] {
             assert!(prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
-        // chunked 0.36-0.82x as fast
-        for (n, l, hv) in [(32, 256, 12), (8, 4096, 12), (32, 256, 32), (8, 4096, 32)] {
+        // the token loop 2-2.6x faster (8 x 4096 at 12 heads: within a few percent, either)
+        for (n, l, hv) in [(32, 256, 12), (32, 256, 32), (8, 4096, 32)] {
             assert!(!prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
         // a few tokens: the token loop (a chunked call costs its two launches at least)
