@@ -37,9 +37,9 @@ constexpr int CA = BT + 4;             // of Akk rows
 constexpr int PREP_THREADS = 512;
 constexpr int PREP_RG = PREP_THREADS / BT; // kda_chunk_prep: row groups of Akk and Aqk
 constexpr int BC = 16;                 // tokens per sub-chunk of Akk and Aqk
-constexpr int BV = 16;                 // value columns per kda_chunk_state CTA
+constexpr int BV = 32;                 // value columns per kda_chunk_state CTA
 constexpr int SS = BV + 8;             // smem row stride of the state's columns (B fragments conflict-free)
-constexpr int STATE_THREADS = 128;     // one warp per 16 chunk rows
+constexpr int STATE_THREADS = 256;     // one warp per 16 chunk rows and 16 value columns
 constexpr float LOG2E = 1.4426950408889634f;
 // Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB, sF (step 3's
 // factored rows, then step 5's traded sums).
@@ -49,7 +49,7 @@ constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT 
 // kda_chunk_state: sS, sN, then the chunk's scratch tW, tQ, tK, tA, tU, tG.
 constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_Q = ST_W + BT * CK, ST_K = ST_Q + BT * CK,
               ST_A = ST_K + BT * CK, ST_U = ST_A + BT * CA, ST_G = ST_U + BT * BV, ST_END = ST_G + K;
-static_assert(STATE_THREADS == 32 * (BT / 16), "kda_chunk_state: one warp per 16 chunk rows");
+static_assert(STATE_THREADS == 32 * (BT / 16) * (BV / 16), "kda_chunk_state: one warp per 16 rows and 16 columns");
 static_assert(PREP_THREADS == PREP_RG * BT && BC % PREP_RG == 0 && PREP_THREADS % 64 == 0,
               "kda_chunk_prep: its thread maps");
 
@@ -426,7 +426,8 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 // So each phase waits on loads that were in flight for a phase or two, not on a chain of
 // dependent global loads (the first version, about 30 us per chunk on an H100: fifty-seventh
 // session). The products run on the tensor cores (3xTF32 mma.sync, f32 accuracy): warp w takes
-// chunk rows 16 w .. 16 w + 15 in phases A and B and key rows 16 (w + 4 m) .. in phase C.
+// the 16 columns cb = 16 (w / 4) .. cb + 15 of the CTA's and, of them, chunk rows 16 (w % 4) ..
+// 16 (w % 4) + 15 in phases A and B and key rows 16 (w % 4 + 4 m) .. in phase C.
 extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state(const KdaParams p,
                                                                                 const KdaChunkParams c) {
     using namespace kda;
@@ -493,7 +494,8 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     __syncthreads();
     if ((flags & KDA_PIECE_FROM_SLOT) && p.ring_len > 0) fold_pending(p, slot, hv, v0, sS, vb == 0 && hv == 0);
 
-    const int r0 = 16 * warp; // the warp's chunk rows in phases A and B
+    constexpr int RW = BT / 16;                           // warps over a chunk's rows
+    const int r0 = 16 * (warp % RW), cb = 16 * (warp / RW); // the warp's first chunk row and column
     for (kda_u32 ch = c0; ch < c0 + nch; ++ch) {
         const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
         const kda_u32 tok0 = ct[0];
@@ -524,8 +526,8 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 kda_u32 bh0, bl0, bh1, bl1;
-                tf32_split(sS[(k0 + t4) * SS + 8 * nt + g], bh0, bl0);
-                tf32_split(sS[(k0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
+                tf32_split(sS[(k0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
+                tf32_split(sS[(k0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
                 mma_3xtf32<false>(ws[nt], wh, wl, bh0, bh1, bl0, bl1);
                 mma_3xtf32<false>(o[nt], qh, ql, bh0, bh1, bl0, bl1);
             }
@@ -535,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int i = r0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1), v = v0 + cc;
+                const int i = r0 + g + 8 * (e >> 1), cc = cb + 8 * nt + 2 * t4 + (e & 1), v = v0 + cc;
                 sN[i * SS + cc] = (v < V ? tU[i * BV + cc] : 0.0f) - ws[nt][e];
             }
         cp_async_wait<1>(); // group 2 of ch landed (group 3 may be in flight)
@@ -553,8 +555,8 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 kda_u32 bh0, bl0, bh1, bl1;
-                tf32_split(sN[(j0 + t4) * SS + 8 * nt + g], bh0, bl0);
-                tf32_split(sN[(j0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
+                tf32_split(sN[(j0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
+                tf32_split(sN[(j0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
                 mma_3xtf32<false>(o[nt], ah, al, bh0, bh1, bl0, bl1);
             }
         }
@@ -562,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
-                const int i = r0 + g + 8 * h2, v = v0 + 8 * nt + 2 * t4;
+                const int i = r0 + g + 8 * h2, v = v0 + cb + 8 * nt + 2 * t4;
                 if (i < len && v < V) {
                     const IT x[2] = {KdaElem<IT>::from_f32(o[nt][2 * h2]), KdaElem<IT>::from_f32(o[nt][2 * h2 + 1])};
                     kda_store_vec<IT, 2>(reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v, x);
@@ -574,13 +576,13 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         issue(2, ch + 1); // tA: phase B is done with it
 
         // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, 16 key rows per warp at a time
-        for (int m0 = 16 * warp; m0 < K; m0 += 16 * (STATE_THREADS / 32)) {
+        for (int m0 = r0; m0 < K; m0 += 16 * RW) {
             float acc[2][4];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int k = m0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1);
+                    const int k = m0 + g + 8 * (e >> 1), cc = cb + 8 * nt + 2 * t4 + (e & 1);
                     acc[nt][e] = tG[k] * sS[k * SS + cc];
                 }
             for (int i0 = 0; i0 < BT; i0 += 8) {
@@ -594,8 +596,8 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt) {
                     kda_u32 bh0, bl0, bh1, bl1;
-                    tf32_split(sN[(i0 + t4) * SS + 8 * nt + g], bh0, bl0);
-                    tf32_split(sN[(i0 + t4 + 4) * SS + 8 * nt + g], bh1, bl1);
+                    tf32_split(sN[(i0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
+                    tf32_split(sN[(i0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
                     mma_3xtf32<false>(acc[nt], ah, al, bh0, bh1, bl0, bl1);
                 }
             }
@@ -604,7 +606,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int k = m0 + g + 8 * (e >> 1), cc = 8 * nt + 2 * t4 + (e & 1);
+                    const int k = m0 + g + 8 * (e >> 1), cc = cb + 8 * nt + 2 * t4 + (e & 1);
                     sS[k * SS + cc] = acc[nt][e];
                 }
         }

@@ -7,11 +7,11 @@
 /// Tokens per chunk (`BT` of `kda_chunk.cu`).
 pub(crate) const BT: usize = 64;
 /// Value columns per `kda_chunk_state` CTA (`BV`).
-pub(crate) const BV: usize = 16;
+pub(crate) const BV: usize = 32;
 /// Threads of a `kda_chunk_prep` CTA (`PREP_THREADS`).
 pub(crate) const PREP_THREADS: usize = 512;
 /// Threads of a `kda_chunk_state` CTA (`STATE_THREADS`).
-pub(crate) const STATE_THREADS: usize = 128;
+pub(crate) const STATE_THREADS: usize = 256;
 /// `KDA_PIECE_FROM_SLOT`: the piece starts from the slot's state (else from the carry).
 pub(crate) const FROM_SLOT: u32 = 1;
 /// `KDA_PIECE_TO_SLOT`: the piece ends by storing the slot's state (else into the carry).
@@ -178,32 +178,35 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
 
 /// Whether the chunked kernels are expected to prefill a call of `hv` value heads over the
 /// sequences of `bounds` faster than `kda_step`'s token loop ([`crate::PrefillKernel::ByShape`],
-/// the default). A cost model fitted to the H200 rows of the fifty-eighth session
-/// (docs/performance.md; K = V = 128, every dtype within a few percent): the token loop costs
+/// the default). A cost model fitted to the rows of the fifty-eighth session's second call (an
+/// H100, where the first call's H200 rows of the same kernels were within 1-8%;
+/// docs/performance.md; K = V = 128, every dtype within a few percent): the token loop costs
 /// its longest sequence's tokens times a step that grows with the (sequence, head) pairs it
-/// runs side by side; the chunked kernels cost a fixed part, their preparation and state pass
-/// over every (chunk, head) block, and the state pass's chain (the longest sequence's chunks,
-/// one after another). Where the two are within the model's error either is acceptable; the
-/// model only has to keep the clear cases right (one sequence of 256 tokens or more: chunked,
-/// 2-7x faster; 32 of 256: the token loop, about 2x faster).
+/// runs side by side; the chunked kernels cost a fixed part, the preparation of every (chunk,
+/// head) block, and the state pass: the longer of its chain (the longest sequence's chunks,
+/// one after another) and its throughput over every block. Where the two are within the
+/// model's error either is acceptable; the model only has to keep the clear cases right (one
+/// sequence of 256 tokens or more: chunked, 2-8x faster; 32 of 256 at 32 heads: the token
+/// loop, 1.7x faster).
 pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
     /// The token loop: us per token step, and per (sequence, head) pair run side by side.
     const STEP_US: f64 = 1.1;
     const STEP_US_PER_PAIR: f64 = 0.0065;
-    /// The chunked kernels: fixed us per call, us per (chunk, head), us per chunk of the chain.
+    /// The chunked kernels: fixed us per call; us per (chunk, head) block of the preparation
+    /// and of the state pass; us per chunk of the state pass's chain.
     const CHUNK_FIXED_US: f64 = 30.0;
-    const CHUNK_BLOCK_US: f64 = 1.1;
-    const CHUNK_CHAIN_US: f64 = 1.2;
+    const PREP_BLOCK_US: f64 = 0.43;
+    const STATE_BLOCK_US: f64 = 0.31;
+    const STATE_CHAIN_US: f64 = 8.3;
     let lens = bounds.windows(2).map(|b| b[1] - b[0]);
     let (n, longest) = (
         bounds.len().saturating_sub(1),
         lens.clone().max().unwrap_or(0),
     );
-    let chunks: usize = lens.map(|l| l.div_ceil(BT)).sum();
+    let blocks = (lens.map(|l| l.div_ceil(BT)).sum::<usize>() * hv) as f64;
     let steps = longest as f64 * (STEP_US + STEP_US_PER_PAIR * (n * hv) as f64);
-    let chunked = CHUNK_FIXED_US
-        + (chunks * hv) as f64 * CHUNK_BLOCK_US
-        + longest.div_ceil(BT) as f64 * CHUNK_CHAIN_US;
+    let chain = longest.div_ceil(BT) as f64 * STATE_CHAIN_US;
+    let chunked = CHUNK_FIXED_US + blocks * PREP_BLOCK_US + chain.max(blocks * STATE_BLOCK_US);
     chunked < steps
 }
 
@@ -224,9 +227,9 @@ mod tests {
             !chunk_supported(256, 256, 101_376),
             "too much shared memory"
         );
-        assert_eq!(vblocks(128), 8);
-        assert_eq!(vblocks(48), 3);
-        assert_eq!(state_smem(128), 141_824);
+        assert_eq!(vblocks(128), 4);
+        assert_eq!(vblocks(48), 2);
+        assert_eq!(state_smem(128), 158_208);
         assert_eq!(
             state_smem(32),
             4 * ((32 + BT) * (BV + 8) + 3 * BT * 36 + BT * (BT + 4) + BT * BV + 32)
@@ -252,18 +255,20 @@ mod tests {
     #[test]
     fn one_long_sequence_prefills_chunked_and_many_short_ones_token_by_token() {
         let seqs = |n: usize, l: usize| (0..=n).map(|i| i * l).collect::<Vec<_>>();
-        // the fifty-eighth session's H200 rows: chunked 2-7x faster
+        // the fifty-eighth session's rows: chunked 2-8x faster, or (8 x 4096 at 12 heads)
+        // 1.4x
         for (n, l, hv) in [
             (1, 256, 12),
             (1, 2048, 12),
             (1, 32768, 12),
+            (8, 4096, 12),
             (1, 256, 32),
             (1, 2048, 32),
             (1, 32768, 32),
         ] {
             assert!(prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
-        // the token loop 2-2.6x faster (8 x 4096 at 12 heads: within a few percent, either)
+        // the token loop 1.2-1.7x faster
         for (n, l, hv) in [(32, 256, 12), (32, 256, 32), (8, 4096, 32)] {
             assert!(!prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
