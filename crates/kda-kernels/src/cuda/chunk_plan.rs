@@ -186,8 +186,8 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
 /// head) block, and the state pass: the longer of its chain (the longest sequence's chunks,
 /// one after another) and its throughput over every block. Where the two are within the
 /// model's error either is acceptable; the model only has to keep the clear cases right (one
-/// sequence of 256 tokens or more: chunked, 2-8x faster; 32 of 256 at 32 heads: the token
-/// loop, 1.7x faster).
+/// sequence of 256 tokens or more: chunked, 3-7x faster; 32 of 256 at 32 heads: the token
+/// loop, 1.6x faster).
 pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
     /// The token loop: us per token step, and per (sequence, head) pair run side by side.
     const STEP_US: f64 = 1.1;
@@ -255,7 +255,7 @@ mod tests {
     #[test]
     fn one_long_sequence_prefills_chunked_and_many_short_ones_token_by_token() {
         let seqs = |n: usize, l: usize| (0..=n).map(|i| i * l).collect::<Vec<_>>();
-        // the fifty-eighth session's rows: chunked 2-8x faster, or (8 x 4096 at 12 heads)
+        // the fifty-eighth session's rows: chunked 3-7x faster, or (8 x 4096 at 12 heads)
         // 1.4x
         for (n, l, hv) in [
             (1, 256, 12),
@@ -268,7 +268,7 @@ mod tests {
         ] {
             assert!(prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
-        // the token loop 1.2-1.7x faster
+        // the token loop 1.2-1.6x faster
         for (n, l, hv) in [(32, 256, 12), (32, 256, 32), (8, 4096, 32)] {
             assert!(!prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
