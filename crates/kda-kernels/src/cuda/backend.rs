@@ -566,8 +566,8 @@ impl CudaBackend {
 
     /// Whether a call runs the chunked prefill: a prefill of a plain batch, a head shape the
     /// kernels take on this device, and asked for ([`CudaBackend::set_prefill_kernel`]):
-    /// `Chunked`, or `ByShape` (the default) where the call's shape is expected to run faster chunked
-    /// ([`chunk_plan::prefer_chunked`]).
+    /// `Chunked`, or `ByShape` (the default) where the call's shape is expected to run faster
+    /// chunked ([`chunk_plan::prefer_chunked`]).
     fn chunked(&self, call: &Call<'_, '_>, g: &PoolGeometry) -> bool {
         call.op == Op::Prefill
             && call.batch.kind() == BatchKind::Plain
@@ -1291,10 +1291,9 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    /// Prefill token by token on `kda_step`, or where [`CudaBackend::set_prefill_kernel`]'s
-    /// choice takes them in chunks
-    /// (`kda_chunk_prep`, `kda_chunk_state`): the CPU backend's result up to the f32
-    /// arithmetic's order (docs/architecture.md).
+    /// Prefill token by token on `kda_step`, or in chunks (`kda_chunk_prep`, `kda_chunk_state`)
+    /// where [`CudaBackend::set_prefill_kernel`]'s choice takes them: the CPU backend's result
+    /// up to the f32 arithmetic's order (docs/architecture.md).
     fn prefill(
         &self,
         batch: &CudaBatch,
