@@ -37,15 +37,16 @@ constexpr int CA = BT + 4;             // of Akk rows
 constexpr int PREP_THREADS = 512;
 constexpr int PREP_RG = PREP_THREADS / BT; // kda_chunk_prep: row groups of Akk and Aqk
 constexpr int BC = 16;                 // tokens per sub-chunk of Akk and Aqk
+constexpr int TS = BC + 4;             // smem row stride of kda_chunk_prep's T_I blocks (A fragments conflict-free)
 constexpr int BV = 32;                 // value columns per kda_chunk_state CTA
 constexpr int SS = BV + 8;             // smem row stride of the state's columns (B fragments conflict-free)
 constexpr int STATE_THREADS = 256;     // one warp per 16 chunk rows and 16 value columns
 constexpr float LOG2E = 1.4426950408889634f;
 // Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB, sF (step 3's
-// factored rows, then step 5's traded sums).
+// factored rows, then step 5's inverses of the diagonal blocks).
 constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CV,
               PREP_B = PREP_A + BT * CA, PREP_F = PREP_B + BT,
-              PREP_END = PREP_F + ((BT + BC) * CK > 16 * PREP_THREADS ? (BT + BC) * CK : 16 * PREP_THREADS);
+              PREP_END = PREP_F + ((BT + BC) * CK > BT * TS ? (BT + BC) * CK : BT * TS);
 // kda_chunk_state: sS, sN, then the chunk's scratch tW, tQ, tK, tA, tU, tG.
 constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_Q = ST_W + BT * CK, ST_K = ST_Q + BT * CK,
               ST_A = ST_K + BT * CK, ST_U = ST_A + BT * CA, ST_G = ST_U + BT * BV, ST_END = ST_G + K;
@@ -185,28 +186,53 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     const IT* in_g = reinterpret_cast<const IT*>(p.g);
     const IT* in_v = reinterpret_cast<const IT*>(p.v);
 
-    // 1. The chunk's raw rows (every load independent of the others, so many are in flight);
-    //    the log-decays in log2 units; rows past the chunk's end 0 (they change nothing).
-    for (int e = tid; e < BT * K; e += blockDim.x) {
-        const int t = e / K, kk = e - t * K;
-        float kx = 0.0f, qx = 0.0f, gx = 0.0f;
-        if (t < len) {
-            const size_t tok = tok0 + (size_t)t;
-            kx = kda_load(in_k[(tok * p.h + h) * K + kk]);
-            qx = kda_load(in_q[(tok * p.h + h) * K + kk]);
-            gx = log_decay_at(kda_load(in_g[(tok * p.hv + hv) * K + kk]), bias + kk, p, a_exp) * LOG2E;
+    // 1. The chunk's raw rows, four channels per load and LB loads per thread and array in
+    //    flight before any is used (one at a time, each waited on, this step took about a
+    //    third of the kernel: fifty-ninth session); the log-decays in log2 units; rows past
+    //    the chunk's end 0 (they change nothing).
+    {
+        constexpr int LV = 4, LB = 4;                       // K % 16 == 0, V % 8 == 0 (chunk_supported)
+        constexpr int NK = BT * K / LV, NV = BT * V / LV, NE = NK > NV ? NK : NV;
+        const bool beta_here = tid < len;
+        const float beta_raw =
+            beta_here ? kda_load(reinterpret_cast<const IT*>(p.beta)[(tok0 + (size_t)tid) * p.hv + hv]) : 0.0f;
+        for (int e0 = 0; e0 < NE; e0 += LB * PREP_THREADS) {
+            float kx[LB][LV], qx[LB][LV], gx[LB][LV], vx[LB][LV], bx[LB][LV];
+#pragma unroll
+            for (int b = 0; b < LB; ++b) {
+                const int e = e0 + b * PREP_THREADS + tid;
+                const int t = e * LV / K, kk = e * LV - t * K, tv = e * LV / V, cv = e * LV - tv * V;
+                const size_t tok = tok0 + (size_t)t, tokv = tok0 + (size_t)tv;
+#pragma unroll
+                for (int i = 0; i < LV; ++i) kx[b][i] = qx[b][i] = gx[b][i] = vx[b][i] = bx[b][i] = 0.0f;
+                if (e < NK && t < len) {
+                    kda_load_vec<IT, LV>(in_k + (tok * p.h + h) * K + kk, kx[b]);
+                    kda_load_vec<IT, LV>(in_q + (tok * p.h + h) * K + kk, qx[b]);
+                    kda_load_vec<IT, LV>(in_g + (tok * p.hv + hv) * K + kk, gx[b]);
+                    if (p.gate_mode) kda_load_vec<float, LV>(bias + kk, bx[b]); // log_decay_at's dt_bias
+                }
+                if (e < NV && tv < len) kda_load_vec<IT, LV>(in_v + (tokv * p.hv + hv) * V + cv, vx[b]);
+            }
+#pragma unroll
+            for (int b = 0; b < LB; ++b) {
+                const int e = e0 + b * PREP_THREADS + tid;
+                const int t = e * LV / K, kk = e * LV - t * K, tv = e * LV / V, cv = e * LV - tv * V;
+                if (e < NK) {
+#pragma unroll
+                    for (int i = 0; i < LV; ++i) {
+                        sK[t * CK + kk + i] = kx[b][i];
+                        sQ[t * CK + kk + i] = qx[b][i];
+                        sG[t * CK + kk + i] = t < len ? log_decay_at(gx[b][i], &bx[b][i], p, a_exp) * LOG2E : 0.0f;
+                    }
+                }
+                if (e < NV) {
+#pragma unroll
+                    for (int i = 0; i < LV; ++i) sV[tv * CV + cv + i] = vx[b][i];
+                }
+            }
         }
-        sK[t * CK + kk] = kx;
-        sQ[t * CK + kk] = qx;
-        sG[t * CK + kk] = gx;
+        if (tid < BT) sB[tid] = beta_here ? act_beta(beta_raw, p) : 0.0f;
     }
-    for (int e = tid; e < BT * V; e += blockDim.x) {
-        const int t = e / V, cv = e - t * V;
-        sV[t * CV + cv] = t < len ? kda_load(in_v[((tok0 + (size_t)t) * p.hv + hv) * V + cv]) : 0.0f;
-    }
-    for (int t = tid; t < BT; t += blockDim.x)
-        sB[t] = t < len ? act_beta(kda_load(reinterpret_cast<const IT*>(p.beta)[(tok0 + (size_t)t) * p.hv + hv]), p)
-                        : 0.0f;
     __syncthreads();
 
     // 2. l2norm (and the query's scale) in place, one warp per row, act_finish's arithmetic;
@@ -223,9 +249,15 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
     for (int kk = tid; kk < K; kk += blockDim.x) {
         float run = 0.0f;
-        for (int t = 0; t < BT; ++t) {
-            run += sG[t * CK + kk];
-            sG[t * CK + kk] = run;
+        for (int t0 = 0; t0 < BT; t0 += 16) { // 16 loads in flight, then the running sums
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) x[i] = sG[(t0 + i) * CK + kk];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                run += x[i];
+                sG[(t0 + i) * CK + kk] = run;
+            }
         }
     }
     __syncthreads();
@@ -280,47 +312,60 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
             }
         }
         // the blocks left of it, one block row I at a time: sF holds the rows k_i and q_i of I
-        // times exp2(Gc_i - Gc_r) (rows 0 .. 2 BC), then the columns j < r times exp2(Gc_r - Gc_j)
+        // times exp2(Gc_i - Gc_r) (rows 0 .. 2 BC), then the columns j < r times exp2(Gc_r -
+        // Gc_j); their products on the tensor cores (3xTF32), warp w the 16 x 8 tile (rows of
+        // k if w is even, of q if odd; columns 8 (w / 2) ..), its k-steps in two interleaved
+        // sums. (On the CUDA cores, with three quarters to one quarter of the threads idle,
+        // these blocks took a quarter of the kernel: fifty-ninth session.)
+        const int g = lane >> 2, t4 = lane & 3;
         for (int bi = 1; bi < BT / BC; ++bi) {
             const int r = bi * BC;
             __syncthreads(); // sF free (the previous block row's products done)
-            for (int e = tid; e < (2 * BC + r) * K; e += blockDim.x) {
-                const int row = e / K, kk = e - row * K;
-                const float gr = sG[r * CK + kk];
-                float x;
-                if (row < 2 * BC) {
-                    const int i = r + row % BC;
-                    x = (row < BC ? sK : sQ)[i * CK + kk] * exp2f(sG[i * CK + kk] - gr);
-                } else {
-                    const int j = row - 2 * BC;
-                    x = sK[j * CK + kk] * exp2f(gr - sG[j * CK + kk]);
-                }
-                sF[row * CK + kk] = x;
+            for (int e = tid; e < (2 * BC + r) * K / 4; e += blockDim.x) {
+                const int row = 4 * e / K, kk = 4 * e - row * K;
+                const float4 gr = *reinterpret_cast<const float4*>(sG + r * CK + kk);
+                const bool is_row = row < 2 * BC;
+                const int t = is_row ? r + row % BC : row - 2 * BC;
+                const float4 x = *reinterpret_cast<const float4*>((is_row && row >= BC ? sQ : sK) + t * CK + kk);
+                const float4 gt = *reinterpret_cast<const float4*>(sG + t * CK + kk);
+                const float s = is_row ? 1.0f : -1.0f; // exp2(Gc_t - Gc_r) for rows, exp2(Gc_r - Gc_t) for columns
+                *reinterpret_cast<float4*>(sF + row * CK + kk) =
+                    make_float4(x.x * exp2f(s * (gt.x - gr.x)), x.y * exp2f(s * (gt.y - gr.y)),
+                                x.z * exp2f(s * (gt.z - gr.z)), x.w * exp2f(s * (gt.w - gr.w)));
             }
             __syncthreads();
-            // thread (row group il0, column j < r): rows il0 + PREP_RG m of the block row
-            const int j = tid % BT, il0 = tid / BT;
-            if (j < r) {
-                float akk[BC / PREP_RG], aqk[BC / PREP_RG];
+            if (warp < 2 * (r / 8)) {
+                const int mt = warp & 1, n0 = 8 * (warp >> 1);
+                float acc[2][4];
 #pragma unroll
-                for (int m = 0; m < BC / PREP_RG; ++m) akk[m] = aqk[m] = 0.0f;
-                const float* bj = sF + (2 * BC + j) * CK;
-                for (int k = 0; k < K; k += 4) {
-                    const float4 b4 = *reinterpret_cast<const float4*>(bj + k);
+                for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
-                    for (int m = 0; m < BC / PREP_RG; ++m) {
-                        const int il = il0 + PREP_RG * m;
-                        const float4 ki = *reinterpret_cast<const float4*>(sF + il * CK + k);
-                        const float4 qi = *reinterpret_cast<const float4*>(sF + (BC + il) * CK + k);
-                        akk[m] += ki.x * b4.x + ki.y * b4.y + ki.z * b4.z + ki.w * b4.w;
-                        aqk[m] += qi.x * b4.x + qi.y * b4.y + qi.z * b4.z + qi.w * b4.w;
+                    for (int e = 0; e < 4; ++e) acc[h2][e] = 0.0f;
+                for (int k0 = 0; k0 < K; k0 += 16) { // K % 16 == 0
+#pragma unroll
+                    for (int h2 = 0; h2 < 2; ++h2) {
+                        kda_u32 ah[4], al[4], bh0, bl0, bh1, bl1;
+                        const float* ar = sF + (BC * mt + g) * CK + k0 + 8 * h2 + t4;
+                        tf32_split(ar[0], ah[0], al[0]);
+                        tf32_split(ar[8 * CK], ah[1], al[1]);
+                        tf32_split(ar[4], ah[2], al[2]);
+                        tf32_split(ar[8 * CK + 4], ah[3], al[3]);
+                        const float* br = sF + (2 * BC + n0 + g) * CK + k0 + 8 * h2 + t4;
+                        tf32_split(br[0], bh0, bl0);
+                        tf32_split(br[4], bh1, bl1);
+                        mma_3xtf32<false>(acc[h2], ah, al, bh0, bh1, bl0, bl1);
                     }
                 }
 #pragma unroll
-                for (int m = 0; m < BC / PREP_RG; ++m) {
-                    const int i = r + il0 + PREP_RG * m;
-                    aq[i * BT + j] = aqk[m];
-                    sA[i * CA + j] = sB[i] * akk[m];
+                for (int h2 = 0; h2 < 2; ++h2) {
+                    const int i = r + g + 8 * h2, j = n0 + 2 * t4;
+                    const float a0 = acc[0][2 * h2] + acc[1][2 * h2], a1 = acc[0][2 * h2 + 1] + acc[1][2 * h2 + 1];
+                    if (mt) {
+                        *reinterpret_cast<float2*>(aq + i * BT + j) = make_float2(a0, a1);
+                    } else {
+                        sA[i * CA + j] = sB[i] * a0;
+                        sA[i * CA + j + 1] = sB[i] * a1;
+                    }
                 }
             }
         }
@@ -334,85 +379,152 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
         float* qg = reinterpret_cast<float*>(c.qg) + kb;
         float* kg = reinterpret_cast<float*>(c.kg) + kb;
         float* gl = reinterpret_cast<float*>(c.gl) + chunk_block(p, ch, hv, K);
-        for (int e = tid; e < BT * K; e += blockDim.x) {
-            const int t = e / K, kk = e - t * K;
-            const float gt = sG[t * CK + kk], glast = sG[(BT - 1) * CK + kk];
-            const float eg = exp2f(gt), kx = sK[t * CK + kk];
-            qg[e] = sQ[t * CK + kk] * eg;
-            kg[e] = kx * exp2f(glast - gt);
-            sQ[t * CK + kk] = sB[t] * kx * eg;
-            if (t == 0) gl[kk] = exp2f(glast);
+        for (int e = tid; e < BT * K / 4; e += blockDim.x) { // four channels at a time
+            const int t = 4 * e / K, kk = 4 * e - t * K;
+            const float4 g4 = *reinterpret_cast<const float4*>(sG + t * CK + kk);
+            const float4 gl4 = *reinterpret_cast<const float4*>(sG + (BT - 1) * CK + kk);
+            const float4 k4 = *reinterpret_cast<const float4*>(sK + t * CK + kk);
+            const float4 q4 = *reinterpret_cast<const float4*>(sQ + t * CK + kk);
+            const float gt[4] = {g4.x, g4.y, g4.z, g4.w}, glast[4] = {gl4.x, gl4.y, gl4.z, gl4.w};
+            const float kx[4] = {k4.x, k4.y, k4.z, k4.w}, qx[4] = {q4.x, q4.y, q4.z, q4.w};
+            float oq[4], ok[4], orhs[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float eg = exp2f(gt[i]);
+                oq[i] = qx[i] * eg;
+                ok[i] = kx[i] * exp2f(glast[i] - gt[i]);
+                orhs[i] = sB[t] * kx[i] * eg;
+            }
+            *reinterpret_cast<float4*>(qg + 4 * e) = make_float4(oq[0], oq[1], oq[2], oq[3]);
+            *reinterpret_cast<float4*>(kg + 4 * e) = make_float4(ok[0], ok[1], ok[2], ok[3]);
+            *reinterpret_cast<float4*>(sQ + t * CK + kk) = make_float4(orhs[0], orhs[1], orhs[2], orhs[3]);
+            if (t == 0)
+                *reinterpret_cast<float4*>(gl + kk) =
+                    make_float4(exp2f(glast[0]), exp2f(glast[1]), exp2f(glast[2]), exp2f(glast[3]));
         }
-        for (int e = tid; e < BT * V; e += blockDim.x) {
-            const int t = e / V, cv = e - t * V;
-            sV[t * CV + cv] *= sB[t];
+        for (int e = tid; e < BT * V / 4; e += blockDim.x) {
+            const int t = 4 * e / V, cv = 4 * e - t * V;
+            float4* x = reinterpret_cast<float4*>(sV + t * CV + cv);
+            const float b = sB[t];
+            *x = make_float4(x->x * b, x->y * b, x->z * b, x->w * b);
         }
     }
     __syncthreads();
 
-    // 5. w and u: (I + Akk) x = rhs by forward substitution, in place, two threads per column of
-    //    [w | u] (lanes 2 c and 2 c + 1 of a warp), eight rows at a time: x_i = rhs_i -
-    //    sum_{j<i} Akk[i][j] x_j. Lane h of the pair sums the groups of four earlier rows j
-    //    with (j / 4) % 2 == h (from shared memory, four columns of Akk per load) and trades
-    //    its eight sums with its partner's through sX (a + b = b + a: both then hold the same
-    //    bits); both solve the group's own rows in registers, and each stores the four rows it
-    //    will read later, so only the trade waits on the other lane. (Fully unrolled over all
-    //    rows the compiler hoisted every load of Akk and spilled.) The trip count is the
-    //    block's, not the column's, as the trade needs the whole warp: a pair past the last
-    //    column computes on column 0 and stores nothing.
+    // 5. w and u: (I + Akk) x = rhs in blocks of BC rows, on the tensor cores (3xTF32, f32
+    //    accuracy). First T_I = (I + Akk_II)^-1 of each diagonal block, one thread per block
+    //    and column, by substitution (Akk is strictly lower: unit diagonal). Then each warp
+    //    takes 8-column tiles of [w | u] (two at a time, sharing the A fragments) and solves
+    //    them block after block, in place in sQ and sV: R_I = rhs_I - Akk_{I,<I} x_{<I}, x_I =
+    //    T_I R_I. A warp owns its tiles' columns, so blocks wait on warp syncs, not barriers.
+    //    (Row by row on the CUDA cores, two lanes per column, this step took a quarter of the
+    //    kernel: fifty-ninth session.)
     {
-        float* wout = reinterpret_cast<float*>(c.w) + chunk_block(p, ch, hv, (size_t)BT * K);
-        float* uout = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-        float* sX = sF; // [2][8][PREP_THREADS] the sums traded, by group parity (sF is free now)
-        const int half = tid & 1;
-        for (int c0 = 0; c0 < K + V; c0 += PREP_THREADS / 2) {
-            const int col = c0 + (tid >> 1);
-            const bool active = col < K + V;
-            const int cc = active ? col : 0;
-            const bool isw = cc < K;
-            float* x = isw ? sQ + cc : sV + (cc - K);
-            const int rs = isw ? CK : CV;
-            for (int g0 = 0; g0 < BT; g0 += 8) {
-                float acc[8];
+        float* sT = sF; // [BT / BC][BC][TS] the inverses T_I (sF is free after step 3)
+        for (int e = tid; e < BT; e += blockDim.x) {
+            const int i0 = (e / BC) * BC, c = e % BC;
+            float x[BC];
 #pragma unroll
-                for (int r = 0; r < 8; ++r) acc[r] = half ? 0.0f : x[(g0 + r) * rs];
-                for (int j = 4 * half; j < g0; j += 8) {
-                    const float x0 = x[j * rs], x1 = x[(j + 1) * rs], x2 = x[(j + 2) * rs], x3 = x[(j + 3) * rs];
+            for (int i = 0; i < BC; ++i) {
+                float acc = i == c ? 1.0f : 0.0f;
 #pragma unroll
-                    for (int r = 0; r < 8; ++r) {
-                        const float4 a = *reinterpret_cast<const float4*>(sA + (g0 + r) * CA + j);
-                        acc[r] -= a.x * x0;
-                        acc[r] -= a.y * x1;
-                        acc[r] -= a.z * x2;
-                        acc[r] -= a.w * x3;
+                for (int j = 0; j < i; ++j) acc -= sA[(i0 + i) * CA + i0 + j] * x[j];
+                x[i] = acc;
+                sT[(i0 + i) * TS + c] = acc;
+            }
+        }
+        __syncthreads();
+        const int g = lane >> 2, t4 = lane & 3;
+        constexpr int NT = (K + V) / 8; // tiles of [w | u] (K % 16 == 0, V % 8 == 0)
+        for (int t0 = warp; t0 < NT; t0 += 2 * nwarps) {
+            float* x[2];
+            int rs[2];
+            bool on[2];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const int col = 8 * (t0 + m * nwarps);
+                on[m] = t0 + m * nwarps < NT;
+                x[m] = col < K ? sQ + col : sV + (col - K);
+                rs[m] = col < K ? CK : CV;
+            }
+            for (int i0 = 0; i0 < BT; i0 += BC) {
+                // R_I = rhs_I - Akk_{I,<I} x_{<I} (accumulators: rows i0 + g (+ 8), columns 2 t4 (+ 1))
+                float r[2][4];
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) r[m][e] = 0.0f;
+                for (int j0 = 0; j0 < i0; j0 += 8) {
+                    kda_u32 ah[4], al[4];
+                    const float* ar = sA + (i0 + g) * CA + j0 + t4;
+                    tf32_split(ar[0], ah[0], al[0]);
+                    tf32_split(ar[8 * CA], ah[1], al[1]);
+                    tf32_split(ar[4], ah[2], al[2]);
+                    tf32_split(ar[8 * CA + 4], ah[3], al[3]);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        if (!on[m]) continue;
+                        kda_u32 bh0, bl0, bh1, bl1;
+                        tf32_split(x[m][(j0 + t4) * rs[m] + g], bh0, bl0);
+                        tf32_split(x[m][(j0 + t4 + 4) * rs[m] + g], bh1, bl1);
+                        mma_3xtf32<false>(r[m], ah, al, bh0, bh1, bl0, bl1);
                     }
                 }
-                // the trade (two buffers: the partner's read of this one precedes its arrival
-                // at the next group's barrier, and this lane's next write to it follows that)
-                float* xs = sX + ((g0 / 8) & 1) * 8 * PREP_THREADS;
 #pragma unroll
-                for (int r = 0; r < 8; ++r) xs[r * PREP_THREADS + tid] = acc[r];
-                KDA_SYNCWARP();
+                for (int m = 0; m < 2; ++m) {
+                    if (!on[m]) continue;
 #pragma unroll
-                for (int r = 0; r < 8; ++r) acc[r] += xs[r * PREP_THREADS + (tid ^ 1)];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-#pragma unroll
-                    for (int q = 0; q < r; ++q) acc[r] -= sA[(g0 + r) * CA + g0 + q] * acc[q];
+                    for (int e = 0; e < 4; ++e) {
+                        float* xe = x[m] + (i0 + g + 8 * (e >> 1)) * rs[m] + 2 * t4 + (e & 1);
+                        *xe -= r[m][e];
+                    }
                 }
-                if (active) {
+                KDA_SYNCWARP(); // R_I in place, for the B fragments
+                // x_I = T_I R_I
+                float y[2][4];
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) x[(g0 + 4 * half + r) * rs] = acc[4 * half + r];
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) y[m][e] = 0.0f;
+#pragma unroll
+                for (int k0 = 0; k0 < BC; k0 += 8) {
+                    kda_u32 ah[4], al[4];
+                    const float* tr = sT + (i0 + g) * TS + k0 + t4;
+                    tf32_split(tr[0], ah[0], al[0]);
+                    tf32_split(tr[8 * TS], ah[1], al[1]);
+                    tf32_split(tr[4], ah[2], al[2]);
+                    tf32_split(tr[8 * TS + 4], ah[3], al[3]);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        if (!on[m]) continue;
+                        kda_u32 bh0, bl0, bh1, bl1;
+                        tf32_split(x[m][(i0 + k0 + t4) * rs[m] + g], bh0, bl0);
+                        tf32_split(x[m][(i0 + k0 + t4 + 4) * rs[m] + g], bh1, bl1);
+                        mma_3xtf32<false>(y[m], ah, al, bh0, bh1, bl0, bl1);
+                    }
                 }
+                KDA_SYNCWARP(); // every lane has read R_I
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    if (!on[m]) continue;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        x[m][(i0 + g + 8 * (e >> 1)) * rs[m] + 2 * t4 + (e & 1)] = y[m][e];
+                }
+                KDA_SYNCWARP(); // x_I in place, for the next blocks' B fragments
             }
-            if (active) {
-                float* dst = isw ? wout + col : uout + (col - K);
-                const int ds = isw ? K : V;
-                for (int i = 4 * half; i < BT; i += 8) {
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) dst[(i + r) * ds] = x[(i + r) * rs];
-                }
-            }
+        }
+        __syncthreads();
+        // w and u to the scratch, row by row (16 bytes per thread and store)
+        float* wout = reinterpret_cast<float*>(c.w) + chunk_block(p, ch, hv, (size_t)BT * K);
+        float* uout = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
+        for (int e = tid; e < BT * K / 4; e += blockDim.x) {
+            const int t = 4 * e / K, kk = 4 * e - t * K;
+            *reinterpret_cast<float4*>(wout + 4 * e) = *reinterpret_cast<const float4*>(sQ + t * CK + kk);
+        }
+        for (int e = tid; e < BT * V / 4; e += blockDim.x) {
+            const int t = 4 * e / V, cv = 4 * e - t * V;
+            *reinterpret_cast<float4*>(uout + 4 * e) = *reinterpret_cast<const float4*>(sV + t * CV + cv);
         }
     }
 }

@@ -33,9 +33,14 @@ struct dim3e {
 };
 inline thread_local dim3e threadIdx, blockIdx, blockDim;
 
-struct float4 {
+struct alignas(8) float2 {
+    float x, y;
+};
+struct alignas(16) float4 {
     float x, y, z, w;
 };
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct alignas(8) uint2 {
     unsigned x, y;
 };
