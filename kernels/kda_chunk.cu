@@ -1,4 +1,4 @@
-// Chunked prefill (spec section 3) in two kernels per window of chunks (docs/architecture.md,
+// Chunked prefill (spec section 3) in three kernels per window of chunks (docs/architecture.md,
 // "Chunked prefill"); part of the kda_step module (the activations, the layouts and the
 // rounding are kda_decode.cu's). The host cuts the call's sequences into chunks of at most BT
 // tokens (never across a sequence) and packs them, in order, into windows whose scratch fits a
@@ -6,12 +6,15 @@
 // Per window:
 // - kda_chunk_prep, one CTA per (chunk, value head), every chunk at once: the activations, the
 //   chunk-local cumulative log-decay Gc, Akk and Aqk, w = (I + Akk)^-1 (beta k exp(Gc)) and
-//   u = (I + Akk)^-1 (beta v) by forward substitution, q exp(Gc), k exp(Gc_last - Gc) and
+//   u = (I + Akk)^-1 (beta v) by blocked substitution, q exp(Gc), k exp(Gc_last - Gc) and
 //   exp(Gc_last), into f32 scratch;
 // - kda_chunk_state, one CTA per (piece, value head, BV value columns): the state's columns in
-//   shared memory, chunk after chunk v_new = u - w S, the outputs q exp(Gc) S + Aqk v_new and
-//   S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new; the state read from the slot (or the
-//   carry) at the piece's start and stored, rounded to the pool's element, at its end.
+//   shared memory, chunk after chunk the state at the chunk's start to the scratch, v_new = u -
+//   w S (over u) and S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new; the state read from
+//   the slot (or the carry) at the piece's start and stored, rounded to the pool's element, at
+//   its end;
+// - kda_chunk_out, one CTA per (chunk, value head, BV value columns), every chunk at once: the
+//   outputs q exp(Gc) S + Aqk v_new.
 // Every exponent is a difference Gc_i - Gc_j with j <= i, or Gc itself, kept in log2 units
 // (exp2f), so nothing overflows for log-decays <= 0. A ring's pending entries are folded
 // first by kda_chunk_state in f32 (no store in between), and kda_chunk_ring_reset empties the
@@ -22,6 +25,7 @@ struct KdaChunkParams {
     kda_u64 chunks;               // u32 [n_chunks][2]: first token, tokens (1..=BT)
     kda_u64 pieces;               // u32 [n_pieces][4]: first chunk, chunks, sequence, flags
     kda_u64 w, qg, kg, u, aqk, gl; // f32 scratch, per (chunk, value head): [BT][K] x 3, [BT][V], [BT][BT], [K]
+    kda_u64 hs;                   // f32 scratch, per (chunk, value head): [K][V] the state at the chunk's start
     kda_u64 carry;                // f32 [HV][K][V]: the state of the sequence a window leaves open
 };
 
@@ -47,9 +51,11 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CV,
               PREP_B = PREP_A + BT * CA, PREP_F = PREP_B + BT,
               PREP_END = PREP_F + ((BT + BC) * CK > BT * TS ? (BT + BC) * CK : BT * TS);
-// kda_chunk_state: sS, sN, then the chunk's scratch tW, tQ, tK, tA, tU, tG.
-constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_Q = ST_W + BT * CK, ST_K = ST_Q + BT * CK,
-              ST_A = ST_K + BT * CK, ST_U = ST_A + BT * CA, ST_G = ST_U + BT * BV, ST_END = ST_G + K;
+// kda_chunk_state: sS, sN, then the chunk's scratch tW, tK, tU, tG (two CTAs per SM at K = V
+// = 128). kda_chunk_out: sS, sN, tQ, tA.
+constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_K = ST_W + BT * CK, ST_U = ST_K + BT * CK,
+              ST_G = ST_U + BT * BV, ST_END = ST_G + K;
+constexpr int OUT_N = K * SS, OUT_Q = OUT_N + BT * SS, OUT_A = OUT_Q + BT * CK, OUT_END = OUT_A + BT * CA;
 static_assert(STATE_THREADS == 32 * (BT / 16) * (BV / 16), "kda_chunk_state: one warp per 16 rows and 16 columns");
 static_assert(PREP_THREADS == PREP_RG * BT && BC % PREP_RG == 0 && PREP_THREADS % 64 == 0,
               "kda_chunk_prep: its thread maps");
@@ -60,14 +66,24 @@ static_assert(PREP_THREADS == PREP_RG * BT && BC % PREP_RG == 0 && PREP_THREADS 
 // host sizes its launches with chunk_plan.rs's prep_smem and state_smem, and the NVRTC test
 // of registry.rs reads these words out of the compiled module to hold the two to the same
 // numbers.
-extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[4] = {0x4b444153u, 4u * kda::PREP_END, 4u * kda::ST_END,
-                                                                0x534d454du};
+extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[5] = {0x4b444153u, 4u * kda::PREP_END, 4u * kda::ST_END,
+                                                                4u * kda::OUT_END, 0x534d454du};
 
 namespace kda {
 
 // Scratch of (chunk ch, value head hv): the element offset of its block of `per` floats.
 __device__ __forceinline__ size_t chunk_block(const KdaParams& p, kda_u32 ch, kda_u32 hv, size_t per) {
     return ((size_t)ch * p.hv + hv) * per;
+}
+
+// `rows` rows of `width` floats (a multiple of 4) from src (row stride ss) to dst (row stride
+// ds), 16 bytes per cp.async, by all of the CTA's threads.
+__device__ __forceinline__ void copy_rows(float* dst, int ds, const float* src, size_t ss, int rows, int width) {
+    const int pieces = width / 4;
+    for (int e = threadIdx.x; e < rows * pieces; e += blockDim.x) {
+        const int r = e / pieces, x = 4 * (e - r * pieces);
+        cp_async16(dst + r * ds + x, src + r * ss + x);
+    }
 }
 
 // Offset of state element (k, v) in a head of the pool's layout.
@@ -345,11 +361,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 #pragma unroll
                     for (int h2 = 0; h2 < 2; ++h2) {
                         kda_u32 ah[4], al[4], bh0, bl0, bh1, bl1;
-                        const float* ar = sF + (BC * mt + g) * CK + k0 + 8 * h2 + t4;
-                        tf32_split(ar[0], ah[0], al[0]);
-                        tf32_split(ar[8 * CK], ah[1], al[1]);
-                        tf32_split(ar[4], ah[2], al[2]);
-                        tf32_split(ar[8 * CK + 4], ah[3], al[3]);
+                        frag_a_split(sF + (BC * mt + g) * CK + k0 + 8 * h2 + t4, CK, ah, al);
                         const float* br = sF + (2 * BC + n0 + g) * CK + k0 + 8 * h2 + t4;
                         tf32_split(br[0], bh0, bl0);
                         tf32_split(br[4], bh1, bl1);
@@ -456,11 +468,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                     for (int e = 0; e < 4; ++e) r[m][e] = 0.0f;
                 for (int j0 = 0; j0 < i0; j0 += 8) {
                     kda_u32 ah[4], al[4];
-                    const float* ar = sA + (i0 + g) * CA + j0 + t4;
-                    tf32_split(ar[0], ah[0], al[0]);
-                    tf32_split(ar[8 * CA], ah[1], al[1]);
-                    tf32_split(ar[4], ah[2], al[2]);
-                    tf32_split(ar[8 * CA + 4], ah[3], al[3]);
+                    frag_a_split(sA + (i0 + g) * CA + j0 + t4, CA, ah, al);
 #pragma unroll
                     for (int m = 0; m < 2; ++m) {
                         if (!on[m]) continue;
@@ -489,11 +497,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 #pragma unroll
                 for (int k0 = 0; k0 < BC; k0 += 8) {
                     kda_u32 ah[4], al[4];
-                    const float* tr = sT + (i0 + g) * TS + k0 + t4;
-                    tf32_split(tr[0], ah[0], al[0]);
-                    tf32_split(tr[8 * TS], ah[1], al[1]);
-                    tf32_split(tr[4], ah[2], al[2]);
-                    tf32_split(tr[8 * TS + 4], ah[3], al[3]);
+                    frag_a_split(sT + (i0 + g) * TS + k0 + t4, TS, ah, al);
 #pragma unroll
                     for (int m = 0; m < 2; ++m) {
                         if (!on[m]) continue;
@@ -530,16 +534,17 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 }
 
 // One CTA per (piece of the window, value head, BV value columns): blockIdx.x = (piece * HV +
-// hv) * vblocks + vb. A chunk's scratch (w, q exp(Gc), u's columns, Aqk, k exp(Gc_last - Gc),
-// exp(Gc_last)) reaches shared memory by cp.async in three groups, each issued as soon as the
-// previous chunk's phase that reads its buffers is done: w, q exp(Gc) and u (phase A) while
-// the previous chunk's phases B and C run, Aqk (phase B) during its phase C and this chunk's
-// phase A, k exp(Gc_last - Gc) and exp(Gc_last) (phase C) during this chunk's phases A and B.
-// So each phase waits on loads that were in flight for a phase or two, not on a chain of
-// dependent global loads (the first version, about 30 us per chunk on an H100: fifty-seventh
-// session). The products run on the tensor cores (3xTF32 mma.sync, f32 accuracy): warp w takes
-// the 16 columns cb = 16 (w / 4) .. cb + 15 of the CTA's and, of them, chunk rows 16 (w % 4) ..
-// 16 (w % 4) + 15 in phases A and B and key rows 16 (w % 4 + 4 m) .. in phase C.
+// hv) * vblocks + vb. The chain of a piece, chunk after chunk: the state at the chunk's start
+// to the scratch (hs, for kda_chunk_out), v_new = u - w S (to the scratch, over u's columns),
+// S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new. The outputs are kda_chunk_out's, every
+// chunk at once, off the chain (the chain's work per chunk was 2.5 products, now 2; its
+// shared memory fits two CTAs per SM: fifty-ninth session). A chunk's scratch reaches shared
+// memory by cp.async in two groups, each issued as soon as the previous chunk's phase that
+// reads its buffers is done: w and u's columns (phase A) during the previous chunk's phase C,
+// k exp(Gc_last - Gc) and exp(Gc_last) (phase C) during this chunk's phase A. The products run
+// on the tensor cores (3xTF32 mma.sync, f32 accuracy): warp w takes the 16 columns cb = 16 (w
+// / 4) .. cb + 15 of the CTA's and, of them, chunk rows 16 (w % 4) .. 16 (w % 4) + 15 in
+// phase A and key rows 16 (w % 4 + 4 m) .. in phase C.
 extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state(const KdaParams p,
                                                                                 const KdaChunkParams c) {
     using namespace kda;
@@ -547,9 +552,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     float* sS = csm;          // [K][SS] the state's columns v0 .. v0 + BV
     float* sN = csm + ST_N;   // [BT][SS] v_new of the chunk
     float* tW = csm + ST_W;   // [BT][CK] w
-    float* tQ = csm + ST_Q;   // [BT][CK] q exp(Gc)
     float* tK = csm + ST_K;   // [BT][CK] k exp(Gc_last - Gc)
-    float* tA = csm + ST_A;   // [BT][CA] Aqk
     float* tU = csm + ST_U;   // [BT][BV] u's columns v0 .. v0 + BV
     float* tG = csm + ST_G;   // [K] exp(Gc_last)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -559,34 +562,20 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     const kda_u32* pc = reinterpret_cast<const kda_u32*>(c.pieces) + 4 * (size_t)pi;
     const kda_u32 c0 = pc[0], nch = pc[1], seq = pc[2], flags = pc[3];
     const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[seq];
-    const int v0 = (int)vb * BV;
+    const int v0 = (int)vb * BV, nv = V - v0 < BV ? V - v0 : BV; // the CTA's columns that exist
     ST* head = state_head(p, slot, hv);
     float* carry = reinterpret_cast<float*>(c.carry) + (size_t)hv * K * V;
 
-    // `rows` rows of `width` floats (a multiple of 4) from src (row stride ss) to dst (row
-    // stride ds), 16 bytes per cp.async.
-    auto copy_rows = [&](float* dst, int ds, const float* src, size_t ss, int rows, int width) {
-        const int pieces = width / 4;
-        for (int e = tid; e < rows * pieces; e += blockDim.x) {
-            const int r = e / pieces, x = 4 * (e - r * pieces);
-            cp_async16(dst + r * ds + x, src + r * ss + x);
-        }
-    };
-    // The copies of chunk ch's group (1: w, q exp(Gc), u; 2: Aqk; 3: k exp(Gc_last - Gc),
-    // exp(Gc_last)), committed as one group; none past the piece's last chunk (an empty group,
-    // so every thread counts the same groups).
+    // The copies of chunk ch's group (1: w, u's columns; 2: k exp(Gc_last - Gc), exp(Gc_last)),
+    // committed as one group; none past the piece's last chunk (an empty group, so every
+    // thread counts the same groups).
     auto issue = [&](int group, kda_u32 ch) {
         if (ch < c0 + nch) {
             const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
             if (group == 1) {
                 copy_rows(tW, CK, reinterpret_cast<const float*>(c.w) + kb, K, BT, K);
-                copy_rows(tQ, CK, reinterpret_cast<const float*>(c.qg) + kb, K, BT, K);
-                // u's columns v0 .. v0 + BV that exist (V % 8 == 0: whole 16-byte pieces)
                 const float* U = reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-                copy_rows(tU, BV, U + v0, V, BT, V - v0 < BV ? V - v0 : BV);
-            } else if (group == 2) {
-                const float* AQ = reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
-                copy_rows(tA, CA, AQ, BT, BT, BT);
+                copy_rows(tU, BV, U + v0, V, BT, nv); // V % 8 == 0: whole 16-byte pieces
             } else {
                 copy_rows(tK, CK, reinterpret_cast<const float*>(c.kg) + kb, K, BT, K);
                 copy_rows(tG, K, reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K), K, 1, K);
@@ -609,83 +598,52 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     constexpr int RW = BT / 16;                           // warps over a chunk's rows
     const int r0 = 16 * (warp % RW), cb = 16 * (warp / RW); // the warp's first chunk row and column
     for (kda_u32 ch = c0; ch < c0 + nch; ++ch) {
-        const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
-        const kda_u32 tok0 = ct[0];
-        const int len = (int)ct[1];
         // in flight: groups 1 and 2 of ch; the barrier also orders the previous phase C's state
         cp_async_wait<1>();
         __syncthreads();
-        issue(3, ch); // tK and tG: the previous phase C is done with them
 
-        // A. w S and q exp(Gc) S for the warp's 16 rows and both 8-column tiles
-        float ws[2][4], o[2][4];
+        // the state at the chunk's start, for kda_chunk_out
+        float* hs = reinterpret_cast<float*>(c.hs) + chunk_block(p, ch, hv, (size_t)K * V) + v0;
+        for (int e = tid; e < K * (BV / 4); e += blockDim.x) {
+            const int k = e / (BV / 4), cc = 4 * (e - k * (BV / 4));
+            if (cc < nv) // nv % 8 == 0
+                *reinterpret_cast<float4*>(hs + (size_t)k * V + cc) =
+                    *reinterpret_cast<const float4*>(sS + k * SS + cc);
+        }
+
+        // A. v_new = u - w S for the warp's 16 rows and both 8-column tiles, to sN and over u
+        float ws[2][4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) ws[nt][e] = o[nt][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) ws[nt][e] = 0.0f;
         for (int k0 = 0; k0 < K; k0 += 8) {
-            kda_u32 wh[4], wl[4], qh[4], ql[4];
-            const float* wr = tW + (r0 + g) * CK + k0 + t4;
-            const float* qr = tQ + (r0 + g) * CK + k0 + t4;
-            tf32_split(wr[0], wh[0], wl[0]);
-            tf32_split(wr[8 * CK], wh[1], wl[1]);
-            tf32_split(wr[4], wh[2], wl[2]);
-            tf32_split(wr[8 * CK + 4], wh[3], wl[3]);
-            tf32_split(qr[0], qh[0], ql[0]);
-            tf32_split(qr[8 * CK], qh[1], ql[1]);
-            tf32_split(qr[4], qh[2], ql[2]);
-            tf32_split(qr[8 * CK + 4], qh[3], ql[3]);
+            kda_u32 wh[4], wl[4];
+            frag_a_split(tW + (r0 + g) * CK + k0 + t4, CK, wh, wl);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 kda_u32 bh0, bl0, bh1, bl1;
                 tf32_split(sS[(k0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
                 tf32_split(sS[(k0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
                 mma_3xtf32<false>(ws[nt], wh, wl, bh0, bh1, bl0, bl1);
-                mma_3xtf32<false>(o[nt], qh, ql, bh0, bh1, bl0, bl1);
             }
         }
-        // v_new = u - w S (accumulator (row g or g + 8, columns 2 t4, 2 t4 + 1) of each tile)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = r0 + g + 8 * (e >> 1), cc = cb + 8 * nt + 2 * t4 + (e & 1), v = v0 + cc;
-                sN[i * SS + cc] = (v < V ? tU[i * BV + cc] : 0.0f) - ws[nt][e];
-            }
-        cp_async_wait<1>(); // group 2 of ch landed (group 3 may be in flight)
-        __syncthreads();
-        issue(1, ch + 1); // tW, tQ, tU: phase A is done with them
-
-        // B. o += Aqk v_new (Aqk is 0 right of the diagonal: the warp's k-steps end at its rows)
-        for (int j0 = 0; j0 < r0 + 16; j0 += 8) {
-            kda_u32 ah[4], al[4];
-            const float* ar = tA + (r0 + g) * CA + j0 + t4;
-            tf32_split(ar[0], ah[0], al[0]);
-            tf32_split(ar[8 * CA], ah[1], al[1]);
-            tf32_split(ar[4], ah[2], al[2]);
-            tf32_split(ar[8 * CA + 4], ah[3], al[3]);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                kda_u32 bh0, bl0, bh1, bl1;
-                tf32_split(sN[(j0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
-                tf32_split(sN[(j0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
-                mma_3xtf32<false>(o[nt], ah, al, bh0, bh1, bl0, bl1);
-            }
-        }
+        float* U = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
-                const int i = r0 + g + 8 * h2, v = v0 + cb + 8 * nt + 2 * t4;
-                if (i < len && v < V) {
-                    const IT x[2] = {KdaElem<IT>::from_f32(o[nt][2 * h2]), KdaElem<IT>::from_f32(o[nt][2 * h2 + 1])};
-                    kda_store_vec<IT, 2>(reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v, x);
-                }
+                const int i = r0 + g + 8 * h2, cc = cb + 8 * nt + 2 * t4;
+                const bool on = cc < nv; // nv % 8 == 0: both columns or neither
+                const float n0 = on ? tU[i * BV + cc] - ws[nt][2 * h2] : 0.0f;
+                const float n1 = on ? tU[i * BV + cc + 1] - ws[nt][2 * h2 + 1] : 0.0f;
+                sN[i * SS + cc] = n0;
+                sN[i * SS + cc + 1] = n1;
+                if (on) *reinterpret_cast<float2*>(U + (size_t)i * V + cc) = make_float2(n0, n1);
             }
-
-        cp_async_wait<1>(); // group 3 of ch landed (group 1 of ch + 1 may be in flight)
+        cp_async_wait<0>(); // group 2 of ch landed
         __syncthreads();
-        issue(2, ch + 1); // tA: phase B is done with it
+        issue(1, ch + 1); // tW, tU: phase A is done with them
 
         // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, 16 key rows per warp at a time
         for (int m0 = r0; m0 < K; m0 += 16 * RW) {
@@ -700,11 +658,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
             for (int i0 = 0; i0 < BT; i0 += 8) {
                 // A = (k exp(Gc_last - Gc))^T: element (key row, chunk row i) is KG[i][key]
                 kda_u32 ah[4], al[4];
-                const float* kr = tK + (i0 + t4) * CK + m0 + g;
-                tf32_split(kr[0], ah[0], al[0]);
-                tf32_split(kr[8], ah[1], al[1]);
-                tf32_split(kr[4 * CK], ah[2], al[2]);
-                tf32_split(kr[4 * CK + 8], ah[3], al[3]);
+                frag_a_split_t(tK + (i0 + t4) * CK + m0 + g, CK, ah, al);
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt) {
                     kda_u32 bh0, bl0, bh1, bl1;
@@ -722,6 +676,8 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
                     sS[k * SS + cc] = acc[nt][e];
                 }
         }
+        __syncthreads(); // phase C is done with tK, tG (and sS is whole, for the next chunk)
+        issue(2, ch + 1);
     }
     cp_async_wait<0>(); // the last chunk's empty groups (none in flight past the piece)
     __syncthreads();
@@ -744,6 +700,80 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
             if (v < V) carry[(size_t)k * V + v] = sS[k * SS + cc];
         }
     }
+}
+
+// One CTA per (chunk of the window, value head, BV value columns): blockIdx.x = (chunk * HV +
+// hv) * vblocks + vb; after kda_chunk_state, every chunk at once. The chunk's outputs of the
+// CTA's columns: q exp(Gc) S + Aqk v_new, with S the state at the chunk's start and v_new as
+// kda_chunk_state left them in the scratch; the warps' tiles as kda_chunk_state's phase A.
+extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_out(const KdaParams p,
+                                                                              const KdaChunkParams c) {
+    using namespace kda;
+    extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's out_smem
+    float* sS = csm;         // [K][SS] the state's columns v0 .. v0 + BV at the chunk's start
+    float* sN = csm + OUT_N; // [BT][SS] v_new's columns
+    float* tQ = csm + OUT_Q; // [BT][CK] q exp(Gc)
+    float* tA = csm + OUT_A; // [BT][CA] Aqk
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    constexpr int VB = (V + BV - 1) / BV;
+    const kda_u32 vb = blockIdx.x % VB, rest = blockIdx.x / VB;
+    const kda_u32 ch = rest / p.hv, hv = rest - ch * p.hv;
+    const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
+    const kda_u32 tok0 = ct[0];
+    const int len = (int)ct[1];
+    const int v0 = (int)vb * BV, nv = V - v0 < BV ? V - v0 : BV;
+    const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
+    copy_rows(tQ, CK, reinterpret_cast<const float*>(c.qg) + kb, K, BT, K);
+    copy_rows(tA, CA, reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT), BT, BT, BT);
+    copy_rows(sS, SS, reinterpret_cast<const float*>(c.hs) + chunk_block(p, ch, hv, (size_t)K * V) + v0, V, K, nv);
+    copy_rows(sN, SS, reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0, V, BT, nv);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    // (columns past V, where the CTA has fewer than BV: whatever shared memory held; each
+    // output column reads only its own column of S and v_new, and these are not stored)
+
+    constexpr int RW = BT / 16;
+    const int r0 = 16 * (warp % RW), cb = 16 * (warp / RW);
+    float o[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+    // q exp(Gc) S
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        kda_u32 qh[4], ql[4];
+        frag_a_split(tQ + (r0 + g) * CK + k0 + t4, CK, qh, ql);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            kda_u32 bh0, bl0, bh1, bl1;
+            tf32_split(sS[(k0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
+            tf32_split(sS[(k0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
+            mma_3xtf32<false>(o[nt], qh, ql, bh0, bh1, bl0, bl1);
+        }
+    }
+    // + Aqk v_new (Aqk is 0 right of the diagonal: the warp's k-steps end at its rows)
+    for (int j0 = 0; j0 < r0 + 16; j0 += 8) {
+        kda_u32 ah[4], al[4];
+        frag_a_split(tA + (r0 + g) * CA + j0 + t4, CA, ah, al);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            kda_u32 bh0, bl0, bh1, bl1;
+            tf32_split(sN[(j0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
+            tf32_split(sN[(j0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
+            mma_3xtf32<false>(o[nt], ah, al, bh0, bh1, bl0, bl1);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+            const int i = r0 + g + 8 * h2, cc = cb + 8 * nt + 2 * t4;
+            if (i < len && cc < nv) {
+                const IT x[2] = {KdaElem<IT>::from_f32(o[nt][2 * h2]), KdaElem<IT>::from_f32(o[nt][2 * h2 + 1])};
+                kda_store_vec<IT, 2>(reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v0 + cc, x);
+            }
+        }
 }
 
 // After a chunked prefill's last window on a pool with a ring: each sequence's ring left empty

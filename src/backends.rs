@@ -20,7 +20,7 @@ pub enum BackendKind {
 pub enum PrefillKernelArg {
     /// `kda_step`, token by token.
     Steps,
-    /// The chunked kernels (`kda_chunk_prep`, `kda_chunk_state`).
+    /// The chunked kernels (`kda_chunk_prep`, `kda_chunk_state`, `kda_chunk_out`).
     Chunked,
     /// The chunked kernels where the call's shape is expected to run faster chunked, else
     /// `kda_step` (the default).

@@ -1,4 +1,4 @@
-// The chunked prefill's kernels (kda_chunk_prep, kda_chunk_state) run on the CPU through
+// The chunked prefill's kernels (kda_chunk_prep, kda_chunk_state, kda_chunk_out) run on the CPU through
 // emu_shim.h, against a float64 token-by-token recurrence (spec section 2) of the same
 // inputs: fresh random inputs and states, outputs and scratch poisoned first, GVA, the
 // softplus gate, sigmoid beta and q/k l2norm in the kernel, sequences of several chunks, of
@@ -175,9 +175,9 @@ static void run_steps(Problem& pb, const std::vector<u32>& bounds32) {
     emu_launch((u32)pb.lens.size() * units * vblocks, warps * 32, [&] { kda_step(p); }, [] {});
 }
 
-// The backend's chunked prefill: per window kda_chunk_prep over its chunks and kda_chunk_state
-// over its pieces (which folds a ring's pending entries first), on poisoned scratch; with a
-// ring then kda_chunk_ring_reset.
+// The backend's chunked prefill: per window kda_chunk_prep over its chunks, kda_chunk_state
+// over its pieces (which folds a ring's pending entries first) and kda_chunk_out over its
+// chunks, on poisoned scratch; with a ring then kda_chunk_ring_reset.
 static void run_chunked(Problem& pb, size_t max_chunks) {
     std::vector<u32> bounds32(pb.bounds.begin(), pb.bounds.end());
     const KdaParams p = params_of(pb, bounds32);
@@ -187,8 +187,8 @@ static void run_chunked(Problem& pb, size_t max_chunks) {
     const size_t blocks = most * pb.hv, bt = kda::BT;
     // the regions of chunk_plan.rs's ScratchLayout, poisoned
     std::vector<float> w(blocks * bt * K), qg(w.size()), kg(w.size()), u(blocks * bt * V),
-        aqk(blocks * bt * bt), gl(blocks * K), carry((size_t)pb.hv * K * V);
-    for (auto* x : {&w, &qg, &kg, &u, &aqk, &gl, &carry}) std::fill(x->begin(), x->end(), NAN);
+        aqk(blocks * bt * bt), gl(blocks * K), hs(blocks * K * V), carry((size_t)pb.hv * K * V);
+    for (auto* x : {&w, &qg, &kg, &u, &aqk, &gl, &hs, &carry}) std::fill(x->begin(), x->end(), NAN);
     for (const auto& win : wins) {
         std::vector<u32> ch, pc;
         for (const auto& c : win.chunks) ch.insert(ch.end(), c.begin(), c.end());
@@ -202,11 +202,14 @@ static void run_chunked(Problem& pb, size_t max_chunks) {
         c.u = (kda_u64)u.data();
         c.aqk = (kda_u64)aqk.data();
         c.gl = (kda_u64)gl.data();
+        c.hs = (kda_u64)hs.data();
         c.carry = (kda_u64)carry.data();
         auto fresh_smem = [] { std::fill(std::begin(csm), std::end(csm), NAN); };
         emu_launch((u32)(win.chunks.size() * pb.hv), kda::PREP_THREADS, [&] { kda_chunk_prep(p, c); }, fresh_smem);
         constexpr u32 VB = (V + kda::BV - 1) / kda::BV;
         emu_launch((u32)(win.pieces.size() * pb.hv) * VB, kda::STATE_THREADS, [&] { kda_chunk_state(p, c); },
+                   fresh_smem);
+        emu_launch((u32)(win.chunks.size() * pb.hv) * VB, kda::STATE_THREADS, [&] { kda_chunk_out(p, c); },
                    fresh_smem);
     }
     if (pb.ring_len > 0)

@@ -1,7 +1,7 @@
 //! [`CudaBackend`]: the [`Backend`] of the CUDA device, one kernel launch per operation: an
 //! eager kernel for eager decode, a ring kernel with a ring, `kda_step` where neither fits
 //! (the launch plans of `eager_plan` and `ring_plan` choose) and for prefill, which it runs
-//! token by token, or chunked ([`PrefillKernel::Chunked`]: two kernels per window of chunks,
+//! token by token, or chunked ([`PrefillKernel::Chunked`]: three kernels per window of chunks,
 //! then with a ring one that empties the rings).
 //!
 //! Two ways in:
@@ -24,7 +24,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::chunk_plan::{
-    chunk_supported, max_chunks, prefer_chunked, prep_smem, state_smem, vblocks, windows,
+    chunk_supported, max_chunks, out_smem, prefer_chunked, prep_smem, state_smem, vblocks, windows,
     ChunkParams, ScratchLayout, DEFAULT_SCRATCH_BYTES, PREP_THREADS, STATE_THREADS,
 };
 use super::eager_plan::{eager_plan, EagerPlan, EagerShape, PIPE_THREADS, STREAM_CTAS_PER_SM};
@@ -372,7 +372,7 @@ impl CudaBackend {
     }
 
     /// Bounds the chunked prefill's scratch (its f32 intermediates of each chunk and value
-    /// head: about 148 KiB at K = V = 128; by default 512 MiB): a call whose chunks need more
+    /// head: about 213 KiB at K = V = 128; by default 768 MiB): a call whose chunks need more
     /// runs in windows of as many chunks as fit, one after another, each sequence's state
     /// carried in f32 from one to the next. The scratch is allocated on the first chunked
     /// prefill that needs it and kept (grown only); setting a budget frees it. At least one
@@ -582,11 +582,11 @@ impl CudaBackend {
     }
 
     /// The chunked prefill of a validated call: per window of chunks (`chunk_plan::windows`,
-    /// within the scratch budget) `kda_chunk_prep` over every (chunk, value head) and
+    /// within the scratch budget) `kda_chunk_prep` over every (chunk, value head),
     /// `kda_chunk_state` over every (piece, value head, block of columns), which folds a ring's
-    /// pending entries into the state first (in f32, so a 2-byte pool rounds the state once);
-    /// with a ring, then `kda_chunk_ring_reset` leaves every sequence's ring empty (its drafts
-    /// dropped).
+    /// pending entries into the state first (in f32, so a 2-byte pool rounds the state once),
+    /// and `kda_chunk_out` over every (chunk, value head, block of columns); with a ring, then
+    /// `kda_chunk_ring_reset` leaves every sequence's ring empty (its drafts dropped).
     fn launch_chunked(&self, call: &Call<'_, '_>, layer: &mut LayerMut<'_, Buf>) -> Result<()> {
         let g = layer.geometry;
         let plan = call.batch.plans.as_ref();
@@ -610,11 +610,11 @@ impl CudaBackend {
             return Ok(()); // no tokens and no ring: nothing to compute or store
         }
         let input = call.inputs.map_or(g.ring_dtype, |i| i.q.dtype);
-        let (prep, step, reset) =
-            chunk_kernels(&self.ctx, StepKey::of(g, input, BatchKind::Plain))?;
-        let (prep_bytes, step_bytes) = (prep_smem(k, v), state_smem(k));
-        prep.opt_in_smem(prep_bytes)?;
-        step.opt_in_smem(step_bytes)?;
+        let kernels = chunk_kernels(&self.ctx, StepKey::of(g, input, BatchKind::Plain))?;
+        let (prep_bytes, step_bytes, out_bytes) = (prep_smem(k, v), state_smem(k), out_smem(k));
+        kernels.prep.opt_in_smem(prep_bytes)?;
+        kernels.state.opt_in_smem(step_bytes)?;
+        kernels.out.opt_in_smem(out_bytes)?;
         let lay = ScratchLayout::new(t.most, hv, k, v);
         if scratch.0.as_ref().is_none_or(|b| b.len() < 4 * lay.floats) {
             scratch.0 = None; // freed (stream-ordered) before the larger one is allocated
@@ -637,11 +637,23 @@ impl CudaBackend {
                 u: at(lay.u),
                 aqk: at(lay.aqk),
                 gl: at(lay.gl),
+                hs: at(lay.hs),
                 carry: at(lay.carry),
             };
             for (kernel, ctas, threads, smem) in [
-                (&prep, n_chunks * hv, PREP_THREADS, prep_bytes),
-                (&step, n_pieces * hv * vblocks(v), STATE_THREADS, step_bytes),
+                (&kernels.prep, n_chunks * hv, PREP_THREADS, prep_bytes),
+                (
+                    &kernels.state,
+                    n_pieces * hv * vblocks(v),
+                    STATE_THREADS,
+                    step_bytes,
+                ),
+                (
+                    &kernels.out,
+                    n_chunks * hv * vblocks(v),
+                    STATE_THREADS,
+                    out_bytes,
+                ),
             ] {
                 if ctas == 0 {
                     continue; // a window of empty sequences only: no chunk to prepare
@@ -659,10 +671,11 @@ impl CudaBackend {
                 // match (sizes checked at compile time); every pointer in them refers to a live
                 // allocation validated against the geometry and the batch, the window's tables
                 // (kept with the batch) and the scratch (sized by `ScratchLayout` for the
-                // largest window's chunks, kept by the backend); the grid is at most the
-                // window's chunks (or pieces x blocks) times the value heads, the block the
-                // kernels' launch bounds, the shared memory opted in above. Neither kernel
-                // waits on a previous grid, so none launches as a dependent launch.
+                // largest window's chunks, kept by the backend); the grid is the window's
+                // chunks (or pieces x blocks, or chunks x blocks) times the value heads, the
+                // block the kernels' launch bounds, the shared memory opted in above. Each
+                // reads what the one before it wrote, ordered by the stream; none waits on a
+                // previous grid by itself, so none launches as a dependent launch.
                 unsafe { launch_args(s, kernel.func(), cfg, &mut args, false) }
                     .map_err(|e| device_err(&format!("{} launch", kernel.name()), e))?;
             }
@@ -673,6 +686,7 @@ impl CudaBackend {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
+            let reset = &kernels.ring_reset;
             // SAFETY: `kda_chunk_ring_reset` takes the KdaParams `params` matches; it writes
             // the ring records (`meta`, validated with the layer) of the batch's `n` slots, one
             // thread each, ordered on the stream after the state kernels that read them.
@@ -1291,9 +1305,9 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    /// Prefill token by token on `kda_step`, or in chunks (`kda_chunk_prep`, `kda_chunk_state`)
-    /// where [`CudaBackend::set_prefill_kernel`]'s choice takes them: the CPU backend's result
-    /// up to the f32 arithmetic's order (docs/architecture.md).
+    /// Prefill token by token on `kda_step`, or in chunks (`kda_chunk_prep`, `kda_chunk_state`,
+    /// `kda_chunk_out`) where [`CudaBackend::set_prefill_kernel`]'s choice takes them: the CPU
+    /// backend's result up to the f32 arithmetic's order (docs/architecture.md).
     fn prefill(
         &self,
         batch: &CudaBatch,

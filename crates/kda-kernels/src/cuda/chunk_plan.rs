@@ -1,26 +1,26 @@
 //! The chunked prefill's launch plan (`kernels/kda_chunk.cu`): which shapes it takes, the
 //! scratch it needs, and the call's sequences cut into chunks of at most [`BT`] tokens and
 //! packed, in order, into windows whose scratch fits a budget. Pure functions of the call's
-//! shape; the backend uploads each window's tables and launches `kda_chunk_prep` then
-//! `kda_chunk_state` on it.
+//! shape; the backend uploads each window's tables and launches `kda_chunk_prep`,
+//! `kda_chunk_state` and `kda_chunk_out` on it.
 
 /// Tokens per chunk (`BT` of `kda_chunk.cu`).
 pub(crate) const BT: usize = 64;
-/// Value columns per `kda_chunk_state` CTA (`BV`).
+/// Value columns per `kda_chunk_state` and `kda_chunk_out` CTA (`BV`).
 pub(crate) const BV: usize = 32;
 /// Threads of a `kda_chunk_prep` CTA (`PREP_THREADS`).
 pub(crate) const PREP_THREADS: usize = 512;
-/// Threads of a `kda_chunk_state` CTA (`STATE_THREADS`).
+/// Threads of a `kda_chunk_state` and of a `kda_chunk_out` CTA (`STATE_THREADS`).
 pub(crate) const STATE_THREADS: usize = 256;
 /// `KDA_PIECE_FROM_SLOT`: the piece starts from the slot's state (else from the carry).
 pub(crate) const FROM_SLOT: u32 = 1;
 /// `KDA_PIECE_TO_SLOT`: the piece ends by storing the slot's state (else into the carry).
 pub(crate) const TO_SLOT: u32 = 2;
-/// The scratch budget by default: 512 MiB, about 3600 (chunk, value head) blocks at K = V =
+/// The scratch budget by default: 768 MiB, about 3700 (chunk, value head) blocks at K = V =
 /// 128, so a prefill of up to 300 chunks (19 k tokens) at 12 value heads runs in one window.
-pub(crate) const DEFAULT_SCRATCH_BYTES: usize = 512 << 20;
+pub(crate) const DEFAULT_SCRATCH_BYTES: usize = 768 << 20;
 
-/// `struct KdaChunkParams` of `kda_chunk.cu`, the second kernel parameter of both kernels.
+/// `struct KdaChunkParams` of `kda_chunk.cu`, the second kernel parameter of its kernels.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct ChunkParams {
@@ -34,11 +34,13 @@ pub(crate) struct ChunkParams {
     pub u: u64,
     pub aqk: u64,
     pub gl: u64,
+    /// `f32 [chunk][HV][K][V]`: the state at each chunk's start.
+    pub hs: u64,
     /// `f32 [HV][K][V]`: the state of the sequence a window leaves open.
     pub carry: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<ChunkParams>() == 9 * 8);
+const _: () = assert!(std::mem::size_of::<ChunkParams>() == 10 * 8);
 
 /// Whether the chunked kernels take heads of `k` x `v` (K in the tensor cores' tiles of 16
 /// rows, eight output columns at a time) within `smem_optin` bytes of shared memory per CTA.
@@ -47,7 +49,7 @@ pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
         && v > 0
         && k.is_multiple_of(16)
         && v.is_multiple_of(8)
-        && prep_smem(k, v).max(state_smem(k)) <= smem_optin
+        && prep_smem(k, v).max(state_smem(k)).max(out_smem(k)) <= smem_optin
 }
 
 /// Tokens per sub-chunk of `kda_chunk_prep`'s factored `Akk` and `Aqk` (`BC`).
@@ -63,22 +65,31 @@ pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
 }
 
 /// Dynamic shared memory of `kda_chunk_state`, bytes: its `sS` and `sN` arrays (rows of `BV +
-/// 8` floats) and one chunk's scratch copied in (`tW`, `tQ`, `tK`: `BT` rows of `k` rounded up
-/// to 4, plus 4; `tA`: `BT` rows of `BT + 4`; `tU`: `BT` rows of `BV`; `tG`: `k`).
+/// 8` floats) and one chunk's scratch copied in (`tW`, `tK`: `BT` rows of `k` rounded up to 4,
+/// plus 4; `tU`: `BT` rows of `BV`; `tG`: `k`).
 pub(crate) fn state_smem(k: usize) -> usize {
     let ck = k.next_multiple_of(4) + 4;
-    4 * ((k + BT) * (BV + 8) + 3 * BT * ck + BT * (BT + 4) + BT * BV + k)
+    4 * ((k + BT) * (BV + 8) + 2 * BT * ck + BT * BV + k)
 }
 
-/// `kda_chunk_state` CTAs per (piece, value head).
+/// Dynamic shared memory of `kda_chunk_out`, bytes: `sS` and `sN` as `kda_chunk_state`'s, `tQ`
+/// (`BT` rows of `k` rounded up to 4, plus 4) and `tA` (`BT` rows of `BT + 4`).
+pub(crate) fn out_smem(k: usize) -> usize {
+    let ck = k.next_multiple_of(4) + 4;
+    4 * ((k + BT) * (BV + 8) + BT * ck + BT * (BT + 4))
+}
+
+/// `kda_chunk_state` CTAs per (piece, value head), and `kda_chunk_out` CTAs per (chunk, value
+/// head).
 pub(crate) fn vblocks(v: usize) -> usize {
     v.div_ceil(BV)
 }
 
 /// Scratch floats of one (chunk, value head) block: w, q exp(Gc), k exp(Gc_last - Gc) (BT x K
-/// each), u (BT x V), Aqk (BT x BT), exp(Gc_last) (K).
+/// each), u (BT x V; then v_new), Aqk (BT x BT), exp(Gc_last) (K), the state at the chunk's
+/// start (K x V).
 pub(crate) fn block_floats(k: usize, v: usize) -> usize {
-    3 * BT * k + BT * v + BT * BT + k
+    3 * BT * k + BT * v + BT * BT + k + k * v
 }
 
 /// The scratch of a window of `chunks` chunks: the element offset of each region in one f32
@@ -91,6 +102,7 @@ pub(crate) struct ScratchLayout {
     pub u: usize,
     pub aqk: usize,
     pub gl: usize,
+    pub hs: usize,
     pub carry: usize,
     /// Floats in all.
     pub floats: usize,
@@ -106,7 +118,8 @@ impl ScratchLayout {
         let u = kg + blocks * BT * k;
         let aqk = u + blocks * BT * v;
         let gl = aqk + blocks * BT * BT;
-        let carry = gl + blocks * k;
+        let hs = gl + blocks * k;
+        let carry = hs + blocks * k * v;
         Self {
             w,
             qg,
@@ -114,6 +127,7 @@ impl ScratchLayout {
             u,
             aqk,
             gl,
+            hs,
             carry,
             floats: carry + hv * k * v,
         }
@@ -178,33 +192,34 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
 
 /// Whether the chunked kernels are expected to prefill a call of `hv` value heads over the
 /// sequences of `bounds` faster than `kda_step`'s token loop ([`crate::PrefillKernel::ByShape`],
-/// the default). A cost model fitted to the rows of the fifty-eighth session's second call (an
-/// H100, where the first call's H200 rows of the same kernels were within 1-8%;
-/// docs/performance.md; K = V = 128, every dtype within a few percent): the token loop costs
-/// its longest sequence's tokens times a step that grows with the (sequence, head) pairs it
-/// runs side by side; the chunked kernels cost a fixed part, the preparation of every (chunk,
-/// head) block, and the state pass: the longer of its chain (the longest sequence's chunks,
-/// one after another) and its throughput over every block. Where the two are within the
-/// model's error either is acceptable; the model only has to keep the clear cases right (one
-/// sequence of 256 tokens or more: chunked, 3-7x faster; 32 of 256 at 32 heads: the token
-/// loop, 1.6x faster).
+/// the default). A cost model fitted to the rows of the fifty-ninth session's third call (an
+/// H100; docs/performance.md; K = V = 128, every dtype within a few percent): the token loop
+/// costs its longest sequence's tokens times a step, flat up to about two (sequence, head)
+/// pairs per SM and then growing with the pairs; the chunked kernels cost a fixed part, the
+/// preparation of every (chunk, head) block, and the state pass: the longer of its chain (the
+/// longest sequence's chunks, one after another) and its throughput over every block. Where
+/// the two are within the model's error (32 x 256 at 12 heads: chunked 11% faster, the model
+/// says the loop) either is acceptable; the model only has to keep the clear cases right (one
+/// sequence of 256 tokens or more: chunked, 3-10x faster; 32 of 256 or 8 of 4096 at 32 heads:
+/// the token loop, 1.1-1.2x faster).
 pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
-    /// The token loop: us per token step, and per (sequence, head) pair run side by side.
-    const STEP_US: f64 = 1.1;
-    const STEP_US_PER_PAIR: f64 = 0.0065;
+    /// The token loop: us per token step at least, and per (sequence, head) pair run side by
+    /// side where there are more.
+    const STEP_US: f64 = 1.6;
+    const STEP_US_PER_PAIR: f64 = 0.0074;
     /// The chunked kernels: fixed us per call; us per (chunk, head) block of the preparation
     /// and of the state pass; us per chunk of the state pass's chain.
-    const CHUNK_FIXED_US: f64 = 30.0;
-    const PREP_BLOCK_US: f64 = 0.43;
-    const STATE_BLOCK_US: f64 = 0.31;
-    const STATE_CHAIN_US: f64 = 8.3;
+    const CHUNK_FIXED_US: f64 = 26.0;
+    const PREP_BLOCK_US: f64 = 0.37;
+    const STATE_BLOCK_US: f64 = 0.17;
+    const STATE_CHAIN_US: f64 = 5.3;
     let lens = bounds.windows(2).map(|b| b[1] - b[0]);
     let (n, longest) = (
         bounds.len().saturating_sub(1),
         lens.clone().max().unwrap_or(0),
     );
     let blocks = (lens.map(|l| l.div_ceil(BT)).sum::<usize>() * hv) as f64;
-    let steps = longest as f64 * (STEP_US + STEP_US_PER_PAIR * (n * hv) as f64);
+    let steps = longest as f64 * STEP_US.max(STEP_US_PER_PAIR * (n * hv) as f64);
     let chain = longest.div_ceil(BT) as f64 * STATE_CHAIN_US;
     let chunked = CHUNK_FIXED_US + blocks * PREP_BLOCK_US + chain.max(blocks * STATE_BLOCK_US);
     chunked < steps
@@ -229,11 +244,16 @@ mod tests {
         );
         assert_eq!(vblocks(128), 4);
         assert_eq!(vblocks(48), 2);
-        assert_eq!(state_smem(128), 158_208);
+        assert_eq!(state_smem(128), 107_008);
+        assert!(
+            2 * (state_smem(128) + 1024) <= 233_472,
+            "two kda_chunk_state CTAs per SM of 228 KiB"
+        );
         assert_eq!(
             state_smem(32),
-            4 * ((32 + BT) * (BV + 8) + 3 * BT * 36 + BT * (BT + 4) + BT * BV + 32)
+            4 * ((32 + BT) * (BV + 8) + 2 * BT * 36 + BT * BV + 32)
         );
+        assert_eq!(out_smem(128), 81_920);
     }
 
     #[test]
@@ -244,19 +264,23 @@ mod tests {
         assert_eq!(l.u - l.kg, blocks * BT * 32);
         assert_eq!(l.aqk - l.u, blocks * BT * 48);
         assert_eq!(l.gl - l.aqk, blocks * BT * BT);
-        assert_eq!(l.carry - l.gl, blocks * 32);
+        assert_eq!(l.hs - l.gl, blocks * 32);
+        assert_eq!(l.carry - l.hs, blocks * 32 * 48);
         assert_eq!(l.floats - l.carry, 2 * 32 * 48);
-        for off in [l.w, l.qg, l.kg, l.u, l.aqk, l.gl, l.carry] {
+        for off in [l.w, l.qg, l.kg, l.u, l.aqk, l.gl, l.hs, l.carry] {
             assert_eq!(off % 4, 0, "16-byte aligned region");
         }
-        assert_eq!(block_floats(32, 48), 3 * BT * 32 + BT * 48 + BT * BT + 32);
+        assert_eq!(
+            block_floats(32, 48),
+            3 * BT * 32 + BT * 48 + BT * BT + 32 + 32 * 48
+        );
     }
 
     #[test]
     fn one_long_sequence_prefills_chunked_and_many_short_ones_token_by_token() {
         let seqs = |n: usize, l: usize| (0..=n).map(|i| i * l).collect::<Vec<_>>();
-        // the fifty-eighth session's rows: chunked 3-7x faster, or (8 x 4096 at 12 heads)
-        // 1.4x
+        // the fifty-ninth session's rows: chunked 3-10x faster, or (8 x 4096 at 12 heads)
+        // 1.9x
         for (n, l, hv) in [
             (1, 256, 12),
             (1, 2048, 12),
@@ -268,11 +292,11 @@ mod tests {
         ] {
             assert!(prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
-        // the token loop 1.2-1.6x faster
-        for (n, l, hv) in [(32, 256, 12), (32, 256, 32), (8, 4096, 32)] {
+        // the token loop 1.1-1.2x faster
+        for (n, l, hv) in [(32, 256, 32), (8, 4096, 32)] {
             assert!(!prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
-        // a few tokens: the token loop (a chunked call costs its two launches at least)
+        // a few tokens: the token loop (a chunked call costs its three launches at least)
         assert!(!prefer_chunked(&seqs(1, 16), 12));
         assert!(!prefer_chunked(&[0, 0], 12), "no tokens");
         assert!(!prefer_chunked(&[0], 12), "no sequences");

@@ -94,6 +94,7 @@ enum Key {
     RingDeltaStaged(StepKey),
     ChunkPrep(StepKey),
     ChunkState(StepKey),
+    ChunkOut(StepKey),
     ChunkRingReset(StepKey),
     Fill,
     Copy,
@@ -120,6 +121,7 @@ impl Key {
             Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
             Key::ChunkPrep(_) => "kda_chunk_prep",
             Key::ChunkState(_) => "kda_chunk_state",
+            Key::ChunkOut(_) => "kda_chunk_out",
             Key::ChunkRingReset(_) => "kda_chunk_ring_reset",
             Key::Fill => "kda_fill",
             Key::Copy => "kda_copy",
@@ -146,6 +148,7 @@ impl Key {
             | Key::RingDeltaStaged(k)
             | Key::ChunkPrep(k)
             | Key::ChunkState(k)
+            | Key::ChunkOut(k)
             | Key::ChunkRingReset(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
         }
@@ -161,7 +164,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 18] {
+fn step_module(k: StepKey) -> [Key; 19] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -180,6 +183,7 @@ fn step_module(k: StepKey) -> [Key; 18] {
         Key::RingDeltaStaged(k),
         Key::ChunkPrep(k),
         Key::ChunkState(k),
+        Key::ChunkOut(k),
         Key::ChunkRingReset(k),
     ]
 }
@@ -504,17 +508,27 @@ pub(crate) fn step_kernel(ctx: &Arc<CudaContext>, key: StepKey) -> Result<Kernel
     get(ctx, Key::Step(key))
 }
 
-/// The chunked prefill's kernels specialised on `key` (`kda_chunk_prep`, `kda_chunk_state`,
-/// `kda_chunk_ring_reset`; same module as `kda_step`), compiled on first use.
-pub(crate) fn chunk_kernels(
-    ctx: &Arc<CudaContext>,
-    key: StepKey,
-) -> Result<(Kernel, Kernel, Kernel)> {
-    Ok((
-        get(ctx, Key::ChunkPrep(key))?,
-        get(ctx, Key::ChunkState(key))?,
-        get(ctx, Key::ChunkRingReset(key))?,
-    ))
+/// The chunked prefill's kernels specialised on `key`, compiled on first use (same module as
+/// `kda_step`).
+pub(crate) struct ChunkKernels {
+    /// `kda_chunk_prep`.
+    pub prep: Kernel,
+    /// `kda_chunk_state`.
+    pub state: Kernel,
+    /// `kda_chunk_out`.
+    pub out: Kernel,
+    /// `kda_chunk_ring_reset`.
+    pub ring_reset: Kernel,
+}
+
+/// The chunked prefill's kernels specialised on `key` ([`ChunkKernels`]).
+pub(crate) fn chunk_kernels(ctx: &Arc<CudaContext>, key: StepKey) -> Result<ChunkKernels> {
+    Ok(ChunkKernels {
+        prep: get(ctx, Key::ChunkPrep(key))?,
+        state: get(ctx, Key::ChunkState(key))?,
+        out: get(ctx, Key::ChunkOut(key))?,
+        ring_reset: get(ctx, Key::ChunkRingReset(key))?,
+    })
 }
 
 /// The pipelined eager-decode kernel specialised on `key` (same module as `kda_step`),
@@ -626,12 +640,12 @@ mod tests {
         Some(compile_cubin(src, name, &options))
     }
 
-    /// The two words between `kda_chunk_smem_bytes`' markers in a CUBIN's initialised data.
-    fn chunk_smem_words(cubin: &[u8]) -> Option<[u32; 2]> {
+    /// The three words between `kda_chunk_smem_bytes`' markers in a CUBIN's initialised data.
+    fn chunk_smem_words(cubin: &[u8]) -> Option<[u32; 3]> {
         let word = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("four bytes"));
-        cubin.windows(16).find_map(|w| {
-            (word(&w[..4]) == 0x4b44_4153 && word(&w[12..]) == 0x534d_454d)
-                .then(|| [word(&w[4..8]), word(&w[8..12])])
+        cubin.windows(20).find_map(|w| {
+            (word(&w[..4]) == 0x4b44_4153 && word(&w[16..]) == 0x534d_454d)
+                .then(|| [word(&w[4..8]), word(&w[8..12]), word(&w[12..16])])
         })
     }
 
@@ -679,6 +693,7 @@ mod tests {
                 "kda_ring_delta_staged",
                 "kda_chunk_prep",
                 "kda_chunk_state",
+                "kda_chunk_out",
                 "kda_chunk_ring_reset"
             ]
         );
@@ -851,7 +866,8 @@ mod tests {
                 words,
                 [
                     chunk_plan::prep_smem(key.k, key.v) as u32,
-                    chunk_plan::state_smem(key.k) as u32
+                    chunk_plan::state_smem(key.k) as u32,
+                    chunk_plan::out_smem(key.k) as u32
                 ],
                 "{key:?}: kda_chunk.cu's shared memory against chunk_plan.rs's"
             );
