@@ -86,6 +86,25 @@ __device__ __forceinline__ void copy_rows(float* dst, int ds, const float* src, 
     }
 }
 
+// acc += A B for a warp's 16 rows and two 8-column tiles on the tensor cores (3xTF32): A's
+// rows from a (row-major, row stride lda, the warp's first row), kn columns of it (a multiple
+// of 8); B's kn rows from b (row stride ldb, the warp's first column). Accumulator e of tile nt
+// is (row g + 8 (e / 2), column 8 nt + 2 t4 + e % 2).
+__device__ __forceinline__ void warp_product(float (&acc)[2][4], const float* a, int lda, const float* b, int ldb,
+                                             int kn, int g, int t4) {
+    for (int k0 = 0; k0 < kn; k0 += 8) {
+        kda_u32 ah[4], al[4];
+        frag_a_split(a + g * lda + k0 + t4, lda, ah, al);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            kda_u32 bh0, bl0, bh1, bl1;
+            tf32_split(b[(k0 + t4) * ldb + 8 * nt + g], bh0, bl0);
+            tf32_split(b[(k0 + t4 + 4) * ldb + 8 * nt + g], bh1, bl1);
+            mma_3xtf32<false>(acc[nt], ah, al, bh0, bh1, bl0, bl1);
+        }
+    }
+}
+
 // Offset of state element (k, v) in a head of the pool's layout.
 __device__ __forceinline__ kda_u32 state_off(int k, int v) {
     return VFIRST ? (kda_u32)(v * K + k) : (kda_u32)(k * V + v);
@@ -617,17 +636,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) ws[nt][e] = 0.0f;
-        for (int k0 = 0; k0 < K; k0 += 8) {
-            kda_u32 wh[4], wl[4];
-            frag_a_split(tW + (r0 + g) * CK + k0 + t4, CK, wh, wl);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                kda_u32 bh0, bl0, bh1, bl1;
-                tf32_split(sS[(k0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
-                tf32_split(sS[(k0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
-                mma_3xtf32<false>(ws[nt], wh, wl, bh0, bh1, bl0, bl1);
-            }
-        }
+        warp_product(ws, tW + r0 * CK, CK, sS + cb, SS, K, g, t4);
         float* U = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
@@ -740,30 +749,9 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_out(c
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
-    // q exp(Gc) S
-    for (int k0 = 0; k0 < K; k0 += 8) {
-        kda_u32 qh[4], ql[4];
-        frag_a_split(tQ + (r0 + g) * CK + k0 + t4, CK, qh, ql);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            kda_u32 bh0, bl0, bh1, bl1;
-            tf32_split(sS[(k0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
-            tf32_split(sS[(k0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
-            mma_3xtf32<false>(o[nt], qh, ql, bh0, bh1, bl0, bl1);
-        }
-    }
+    warp_product(o, tQ + r0 * CK, CK, sS + cb, SS, K, g, t4); // q exp(Gc) S
     // + Aqk v_new (Aqk is 0 right of the diagonal: the warp's k-steps end at its rows)
-    for (int j0 = 0; j0 < r0 + 16; j0 += 8) {
-        kda_u32 ah[4], al[4];
-        frag_a_split(tA + (r0 + g) * CA + j0 + t4, CA, ah, al);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            kda_u32 bh0, bl0, bh1, bl1;
-            tf32_split(sN[(j0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
-            tf32_split(sN[(j0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
-            mma_3xtf32<false>(o[nt], ah, al, bh0, bh1, bl0, bl1);
-        }
-    }
+    warp_product(o, tA + r0 * CA, CA, sN + cb, SS, r0 + 16, g, t4);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
