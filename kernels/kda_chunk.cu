@@ -39,7 +39,6 @@ constexpr int CK = roundup(K, 4) + 4;  // smem row stride of K-wide rows: 16-byt
 constexpr int CV = roundup(V, 4) + 4;  // of V-wide rows
 constexpr int CA = BT + 4;             // of Akk rows
 constexpr int PREP_THREADS = 512;
-constexpr int PREP_RG = PREP_THREADS / BT; // kda_chunk_prep: row groups of Akk and Aqk
 constexpr int BC = 16;                 // tokens per sub-chunk of Akk and Aqk
 constexpr int TS = BC + 4;             // smem row stride of kda_chunk_prep's T_I blocks (A fragments conflict-free)
 constexpr int BV = 32;                 // value columns per kda_chunk_state CTA
@@ -57,7 +56,7 @@ constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_K = ST_W + BT * CK, ST_U 
               ST_G = ST_U + BT * BV, ST_END = ST_G + K;
 constexpr int OUT_N = K * SS, OUT_Q = OUT_N + BT * SS, OUT_A = OUT_Q + BT * CK, OUT_END = OUT_A + BT * CA;
 static_assert(STATE_THREADS == 32 * (BT / 16) * (BV / 16), "kda_chunk_state: one warp per 16 rows and 16 columns");
-static_assert(PREP_THREADS == PREP_RG * BT && BC % PREP_RG == 0 && PREP_THREADS % 64 == 0,
+static_assert(PREP_THREADS % BT == 0 && PREP_THREADS % (BT / BC) == 0 && PREP_THREADS % 64 == 0,
               "kda_chunk_prep: its thread maps");
 
 } // namespace kda
@@ -76,33 +75,67 @@ __device__ __forceinline__ size_t chunk_block(const KdaParams& p, kda_u32 ch, kd
     return ((size_t)ch * p.hv + hv) * per;
 }
 
-// `rows` rows of `width` floats (a multiple of 4) from src (row stride ss) to dst (row stride
-// ds), 16 bytes per cp.async, by all of the CTA's threads.
-__device__ __forceinline__ void copy_rows(float* dst, int ds, const float* src, size_t ss, int rows, int width) {
-    const int pieces = width / 4;
-    for (int e = threadIdx.x; e < rows * pieces; e += blockDim.x) {
-        const int r = e / pieces, x = 4 * (e - r * pieces);
-        cp_async16(dst + r * ds + x, src + r * ss + x);
+// ROWS rows of `width` floats (a multiple of 4, at most WIDTH) from src (row stride ss) to dst
+// (row stride DS), 16 bytes per cp.async, by the CTA's NT threads. Where NT is a multiple of
+// the pieces per row, each thread keeps one column and steps down the rows by constant
+// strides (the loop with a division per piece took a fifth of kda_chunk_state's
+// instructions: sixtieth session).
+template <int ROWS, int WIDTH, int DS, int NT>
+__device__ __forceinline__ void copy_rows(float* dst, const float* src, size_t ss, int width = WIDTH) {
+    constexpr int PIECES = WIDTH >= 4 ? WIDTH / 4 : 1; // (WIDTH < 4: a shape no window launches)
+    const int tid = threadIdx.x;
+    if constexpr (NT % PIECES == 0) {
+        constexpr int RSTEP = NT / PIECES;
+        const int x = 4 * (tid % PIECES), r = tid / PIECES;
+        if (x >= width) return;
+        dst += r * DS + x;
+        src += r * ss + x;
+#pragma unroll
+        for (int i = 0; i < (ROWS + RSTEP - 1) / RSTEP; ++i)
+            if ((ROWS % RSTEP == 0 || r + i * RSTEP < ROWS)) cp_async16(dst + i * RSTEP * DS, src + i * RSTEP * ss);
+    } else {
+        const int pieces = width / 4;
+        for (int e = tid; e < ROWS * pieces; e += NT) {
+            const int r = e / pieces, x = 4 * (e - r * pieces);
+            cp_async16(dst + r * DS + x, src + r * ss + x);
+        }
     }
 }
 
 // acc += A B for a warp's 16 rows and two 8-column tiles on the tensor cores (3xTF32): A's
 // rows from a (row-major, row stride lda, the warp's first row), kn columns of it (a multiple
-// of 8); B's kn rows from b (row stride ldb, the warp's first column). Accumulator e of tile nt
-// is (row g + 8 (e / 2), column 8 nt + 2 t4 + e % 2).
-__device__ __forceinline__ void warp_product(float (&acc)[2][4], const float* a, int lda, const float* b, int ldb,
-                                             int kn, int g, int t4) {
+// of 8); tile nt's kn rows of B from b[nt] (row stride ldb[nt], the tile's first column),
+// skipped where on[nt] is false. Accumulator e of tile nt is (row g + 8 (e / 2), column 2 t4 +
+// e % 2 of the tile).
+__device__ __forceinline__ void warp_product_tiles(float (&acc)[2][4], const float* a, int lda,
+                                                   const float* const (&b)[2], const int (&ldb)[2],
+                                                   const bool (&on)[2], int kn, int g, int t4) {
+    float s1[2][4] = {}, s2[2][4] = {};
     for (int k0 = 0; k0 < kn; k0 += 8) {
         kda_u32 ah[4], al[4];
         frag_a_split(a + g * lda + k0 + t4, lda, ah, al);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
+            if (!on[nt]) continue;
             kda_u32 bh0, bl0, bh1, bl1;
-            tf32_split(b[(k0 + t4) * ldb + 8 * nt + g], bh0, bl0);
-            tf32_split(b[(k0 + t4 + 4) * ldb + 8 * nt + g], bh1, bl1);
-            mma_3xtf32<false>(acc[nt], ah, al, bh0, bh1, bl0, bl1);
+            tf32_split_fast(b[nt][(k0 + t4) * ldb[nt] + g], bh0, bl0);
+            tf32_split_fast(b[nt][(k0 + t4 + 4) * ldb[nt] + g], bh1, bl1);
+            mma_3xtf32_apart(acc[nt], s1[nt], s2[nt], ah, al, bh0, bh1, bl0, bl1);
         }
     }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] += s1[nt][e] + s2[nt][e];
+}
+
+// The same for two adjacent tiles of one B (row stride ldb, the first tile's first column at b).
+__device__ __forceinline__ void warp_product(float (&acc)[2][4], const float* a, int lda, const float* b, int ldb,
+                                             int kn, int g, int t4) {
+    const float* const bt[2] = {b, b + 8};
+    const int ld[2] = {ldb, ldb};
+    const bool on[2] = {true, true};
+    warp_product_tiles(acc, a, lda, bt, ld, on, kn, g, t4);
 }
 
 // Offset of state element (k, v) in a head of the pool's layout.
@@ -208,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     float* sA = csm + PREP_A;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
     float* sB = csm + PREP_B;    // [BT] beta
     float* sF = csm + PREP_F;    // [2 BC + BT - BC][CK] the factored rows and columns of Akk, Aqk
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = PREP_THREADS / 32;
     const kda_u32 ch = blockIdx.x / p.hv, hv = blockIdx.x - ch * p.hv;
     const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
     const kda_u32 tok0 = ct[0];
@@ -282,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
         }
         act_finish(x, row, p.l2norm != 0u, r >= len, p.scale, lane);
     }
-    for (int kk = tid; kk < K; kk += blockDim.x) {
+    for (int kk = tid; kk < K; kk += PREP_THREADS) {
         float run = 0.0f;
         for (int t0 = 0; t0 < BT; t0 += 16) { // 16 loads in flight, then the running sums
             float x[16];
@@ -297,54 +330,67 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
     __syncthreads();
 
-    // 3. Akk and Aqk over sub-chunks of BC tokens. Diagonal blocks: thread (block, row group,
-    //    column) sums the pairs of rows i0 + PREP_RG m over K with the exact exp2(Gc_i - Gc_j)
-    //    of each element. Blocks left of the diagonal (block I, columns of blocks J < I): with r the
-    //    first token of I, exp2(Gc_i - Gc_j) = exp2(Gc_i - Gc_r) exp2(Gc_r - Gc_j), both
-    //    factors <= 1 (j < r <= i), so the rows k_i and q_i times the first factor and the
-    //    columns k_j times the second (in sF, per block I) meet in a plain product: BT K
-    //    exponentials per block row instead of one per element and pair. Aqk (j <= i, else 0)
-    //    goes to the scratch, beta_i Akk (j < i) to sA.
+    // 3. Akk and Aqk over sub-chunks of BC tokens. Diagonal blocks: a thread per pair j < i sums
+    //    over K with the exact exp2(Gc_i - Gc_j) of each element. Blocks left of the diagonal
+    //    (block I, columns of blocks J < I): with r the first token of I, exp2(Gc_i - Gc_j) =
+    //    exp2(Gc_i - Gc_r) exp2(Gc_r - Gc_j), both factors <= 1 (j < r <= i), so the rows k_i
+    //    and q_i times the first factor and the columns k_j times the second (in sF, per block
+    //    I) meet in a plain product: BT K exponentials per block row instead of one per element
+    //    and pair. Aqk (j <= i, else 0) goes to the scratch, beta_i Akk (j < i) to sA.
     {
         float* aq = reinterpret_cast<float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
-        // the diagonal blocks
+        // the diagonal blocks: thread tid < NP takes pair pp = il (il - 1) / 2 + jl (jl < il) of
+        // block tid / NB; the warp after them the diagonal's Aqk, q_i . k_i (exp2(0) = 1), two
+        // rows per thread: no warp runs both paths. (A thread per two rows and column, all 16 x
+        // 16 pairs of a block, computed the exponentials of the pairs above the diagonal too:
+        // fifty-ninth session.)
         {
-            const int blk = tid / (BC * PREP_RG), jl = tid % BC, il0 = (tid / BC) % PREP_RG;
-            const int j = blk * BC + jl;
-            float akk[BC / PREP_RG], aqk[BC / PREP_RG];
-#pragma unroll
-            for (int m = 0; m < BC / PREP_RG; ++m) akk[m] = aqk[m] = 0.0f;
-            const float* kj = sK + j * CK;
-            const float* gj = sG + j * CK;
-            for (int k = 0; k < K; k += 4) {
-                const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
-                const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
-#pragma unroll
-                for (int m = 0; m < BC / PREP_RG; ++m) {
-                    const int i = blk * BC + il0 + PREP_RG * m;
-                    const float4 ki = *reinterpret_cast<const float4*>(sK + i * CK + k);
-                    const float4 qi = *reinterpret_cast<const float4*>(sQ + i * CK + k);
-                    const float4 gi = *reinterpret_cast<const float4*>(sG + i * CK + k);
-                    const float e0 = kj4.x * exp2f(gi.x - gj4.x), e1 = kj4.y * exp2f(gi.y - gj4.y);
-                    const float e2 = kj4.z * exp2f(gi.z - gj4.z), e3 = kj4.w * exp2f(gi.w - gj4.w);
-                    akk[m] += ki.x * e0 + ki.y * e1 + ki.z * e2 + ki.w * e3;
-                    aqk[m] += qi.x * e0 + qi.y * e1 + qi.z * e2 + qi.w * e3;
+            constexpr int NB = BC * (BC - 1) / 2, NP = NB * (BT / BC);
+            static_assert(NP % 32 == 0 && NP + BT / 2 <= PREP_THREADS,
+                          "kda_chunk_prep: the diagonal blocks' pairs fill whole warps, their diagonal one more");
+            if (tid < NP) {
+                const int blk = tid / NB;
+                int il = 1, jl = tid - blk * NB;
+                while (jl >= il) jl -= il++;
+                const int i = blk * BC + il, j = blk * BC + jl;
+                const float* ki = sK + i * CK;
+                const float* qi = sQ + i * CK;
+                const float* gi = sG + i * CK;
+                const float* kj = sK + j * CK;
+                const float* gj = sG + j * CK;
+                float sk = 0.0f, sq = 0.0f;
+                for (int k = 0; k < K; k += 4) {
+                    const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
+                    const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
+                    const float4 ki4 = *reinterpret_cast<const float4*>(ki + k);
+                    const float4 qi4 = *reinterpret_cast<const float4*>(qi + k);
+                    const float4 gi4 = *reinterpret_cast<const float4*>(gi + k);
+                    const float e0 = kj4.x * exp2f(gi4.x - gj4.x), e1 = kj4.y * exp2f(gi4.y - gj4.y);
+                    const float e2 = kj4.z * exp2f(gi4.z - gj4.z), e3 = kj4.w * exp2f(gi4.w - gj4.w);
+                    sk += ki4.x * e0 + ki4.y * e1 + ki4.z * e2 + ki4.w * e3;
+                    sq += qi4.x * e0 + qi4.y * e1 + qi4.z * e2 + qi4.w * e3;
                 }
-            }
+                aq[i * BT + j] = sq;
+                sA[i * CA + j] = sB[i] * sk;
+            } else if (tid < NP + BT / 2) {
+                const int i = 2 * (tid - NP);
+                float sq[2] = {0.0f, 0.0f};
+                for (int k = 0; k < K; k += 4) {
 #pragma unroll
-            for (int m = 0; m < BC / PREP_RG; ++m) {
-                const int i = blk * BC + il0 + PREP_RG * m;
-                aq[i * BT + j] = j <= i ? aqk[m] : 0.0f;
-                sA[i * CA + j] = j < i ? sB[i] * akk[m] : 0.0f;
+                    for (int m = 0; m < 2; ++m) {
+                        const float4 k4 = *reinterpret_cast<const float4*>(sK + (i + m) * CK + k);
+                        const float4 q4 = *reinterpret_cast<const float4*>(sQ + (i + m) * CK + k);
+                        sq[m] += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < 2; ++m) aq[(i + m) * BT + i + m] = sq[m];
             }
         }
-        // the blocks right of the diagonal: 0
-        for (int e = tid; e < BT * BT; e += blockDim.x) {
+        // Aqk above the diagonal: 0 (Akk there, and on it, is never read)
+        for (int e = tid; e < BT * BT; e += PREP_THREADS) {
             const int i = e / BT, j = e - i * BT;
-            if (j / BC > i / BC) {
-                aq[e] = 0.0f;
-                sA[i * CA + j] = 0.0f;
-            }
+            if (j > i) aq[e] = 0.0f;
         }
         // the blocks left of it, one block row I at a time: sF holds the rows k_i and q_i of I
         // times exp2(Gc_i - Gc_r) (rows 0 .. 2 BC), then the columns j < r times exp2(Gc_r -
@@ -356,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
         for (int bi = 1; bi < BT / BC; ++bi) {
             const int r = bi * BC;
             __syncthreads(); // sF free (the previous block row's products done)
-            for (int e = tid; e < (2 * BC + r) * K / 4; e += blockDim.x) {
+            for (int e = tid; e < (2 * BC + r) * K / 4; e += PREP_THREADS) {
                 const int row = 4 * e / K, kk = 4 * e - row * K;
                 const float4 gr = *reinterpret_cast<const float4*>(sG + r * CK + kk);
                 const bool is_row = row < 2 * BC;
@@ -376,17 +422,22 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                 for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[h2][e] = 0.0f;
+                float s1[2][4] = {}, s2[2][4] = {};
                 for (int k0 = 0; k0 < K; k0 += 16) { // K % 16 == 0
 #pragma unroll
                     for (int h2 = 0; h2 < 2; ++h2) {
                         kda_u32 ah[4], al[4], bh0, bl0, bh1, bl1;
                         frag_a_split(sF + (BC * mt + g) * CK + k0 + 8 * h2 + t4, CK, ah, al);
                         const float* br = sF + (2 * BC + n0 + g) * CK + k0 + 8 * h2 + t4;
-                        tf32_split(br[0], bh0, bl0);
-                        tf32_split(br[4], bh1, bl1);
-                        mma_3xtf32<false>(acc[h2], ah, al, bh0, bh1, bl0, bl1);
+                        tf32_split_fast(br[0], bh0, bl0);
+                        tf32_split_fast(br[4], bh1, bl1);
+                        mma_3xtf32_apart(acc[h2], s1[h2], s2[h2], ah, al, bh0, bh1, bl0, bl1);
                     }
                 }
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[h2][e] += s1[h2][e] + s2[h2][e];
 #pragma unroll
                 for (int h2 = 0; h2 < 2; ++h2) {
                     const int i = r + g + 8 * h2, j = n0 + 2 * t4;
@@ -410,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
         float* qg = reinterpret_cast<float*>(c.qg) + kb;
         float* kg = reinterpret_cast<float*>(c.kg) + kb;
         float* gl = reinterpret_cast<float*>(c.gl) + chunk_block(p, ch, hv, K);
-        for (int e = tid; e < BT * K / 4; e += blockDim.x) { // four channels at a time
+        for (int e = tid; e < BT * K / 4; e += PREP_THREADS) { // four channels at a time
             const int t = 4 * e / K, kk = 4 * e - t * K;
             const float4 g4 = *reinterpret_cast<const float4*>(sG + t * CK + kk);
             const float4 gl4 = *reinterpret_cast<const float4*>(sG + (BT - 1) * CK + kk);
@@ -433,7 +484,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                 *reinterpret_cast<float4*>(gl + kk) =
                     make_float4(exp2f(glast[0]), exp2f(glast[1]), exp2f(glast[2]), exp2f(glast[3]));
         }
-        for (int e = tid; e < BT * V / 4; e += blockDim.x) {
+        for (int e = tid; e < BT * V / 4; e += PREP_THREADS) {
             const int t = 4 * e / V, cv = 4 * e - t * V;
             float4* x = reinterpret_cast<float4*>(sV + t * CV + cv);
             const float b = sB[t];
@@ -452,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     //    kernel: fifty-ninth session.)
     {
         float* sT = sF; // [BT / BC][BC][TS] the inverses T_I (sF is free after step 3)
-        for (int e = tid; e < BT; e += blockDim.x) {
+        for (int e = tid; e < BT; e += PREP_THREADS) {
             const int i0 = (e / BC) * BC, c = e % BC;
             float x[BC];
 #pragma unroll
@@ -485,18 +536,8 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                 for (int m = 0; m < 2; ++m)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) r[m][e] = 0.0f;
-                for (int j0 = 0; j0 < i0; j0 += 8) {
-                    kda_u32 ah[4], al[4];
-                    frag_a_split(sA + (i0 + g) * CA + j0 + t4, CA, ah, al);
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) {
-                        if (!on[m]) continue;
-                        kda_u32 bh0, bl0, bh1, bl1;
-                        tf32_split(x[m][(j0 + t4) * rs[m] + g], bh0, bl0);
-                        tf32_split(x[m][(j0 + t4 + 4) * rs[m] + g], bh1, bl1);
-                        mma_3xtf32<false>(r[m], ah, al, bh0, bh1, bl0, bl1);
-                    }
-                }
+                const float* const xb[2] = {x[0], x[1]};
+                warp_product_tiles(r, sA + i0 * CA, CA, xb, rs, on, i0, g, t4);
 #pragma unroll
                 for (int m = 0; m < 2; ++m) {
                     if (!on[m]) continue;
@@ -513,19 +554,8 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                 for (int m = 0; m < 2; ++m)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) y[m][e] = 0.0f;
-#pragma unroll
-                for (int k0 = 0; k0 < BC; k0 += 8) {
-                    kda_u32 ah[4], al[4];
-                    frag_a_split(sT + (i0 + g) * TS + k0 + t4, TS, ah, al);
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) {
-                        if (!on[m]) continue;
-                        kda_u32 bh0, bl0, bh1, bl1;
-                        tf32_split(x[m][(i0 + k0 + t4) * rs[m] + g], bh0, bl0);
-                        tf32_split(x[m][(i0 + k0 + t4 + 4) * rs[m] + g], bh1, bl1);
-                        mma_3xtf32<false>(y[m], ah, al, bh0, bh1, bl0, bl1);
-                    }
-                }
+                const float* const xi[2] = {x[0] + i0 * rs[0], x[1] + i0 * rs[1]};
+                warp_product_tiles(y, sT + i0 * TS, TS, xi, rs, on, BC, g, t4);
                 KDA_SYNCWARP(); // every lane has read R_I
 #pragma unroll
                 for (int m = 0; m < 2; ++m) {
@@ -541,11 +571,11 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
         // w and u to the scratch, row by row (16 bytes per thread and store)
         float* wout = reinterpret_cast<float*>(c.w) + chunk_block(p, ch, hv, (size_t)BT * K);
         float* uout = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-        for (int e = tid; e < BT * K / 4; e += blockDim.x) {
+        for (int e = tid; e < BT * K / 4; e += PREP_THREADS) {
             const int t = 4 * e / K, kk = 4 * e - t * K;
             *reinterpret_cast<float4*>(wout + 4 * e) = *reinterpret_cast<const float4*>(sQ + t * CK + kk);
         }
-        for (int e = tid; e < BT * V / 4; e += blockDim.x) {
+        for (int e = tid; e < BT * V / 4; e += PREP_THREADS) {
             const int t = 4 * e / V, cv = 4 * e - t * V;
             *reinterpret_cast<float4*>(uout + 4 * e) = *reinterpret_cast<const float4*>(sV + t * CV + cv);
         }
@@ -592,12 +622,12 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         if (ch < c0 + nch) {
             const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
             if (group == 1) {
-                copy_rows(tW, CK, reinterpret_cast<const float*>(c.w) + kb, K, BT, K);
+                copy_rows<BT, K, CK, STATE_THREADS>(tW, reinterpret_cast<const float*>(c.w) + kb, K);
                 const float* U = reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-                copy_rows(tU, BV, U + v0, V, BT, nv); // V % 8 == 0: whole 16-byte pieces
+                copy_rows<BT, BV, BV, STATE_THREADS>(tU, U + v0, V, nv); // V % 8 == 0: whole 16-byte pieces
             } else {
-                copy_rows(tK, CK, reinterpret_cast<const float*>(c.kg) + kb, K, BT, K);
-                copy_rows(tG, K, reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K), K, 1, K);
+                copy_rows<BT, K, CK, STATE_THREADS>(tK, reinterpret_cast<const float*>(c.kg) + kb, K);
+                copy_rows<1, K, K, STATE_THREADS>(tG, reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K), K);
             }
         }
         cp_async_commit();
@@ -605,7 +635,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     issue(1, c0);
     issue(2, c0);
 
-    for (int e = tid; e < K * BV; e += blockDim.x) {
+    for (int e = tid; e < K * BV; e += STATE_THREADS) {
         const int k = e / BV, cc = e - k * BV, v = v0 + cc;
         float x = 0.0f;
         if (v < V) x = (flags & KDA_PIECE_FROM_SLOT) ? kda_load(head[state_off(k, v)]) : carry[(size_t)k * V + v];
@@ -623,11 +653,15 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
 
         // the state at the chunk's start, for kda_chunk_out
         float* hs = reinterpret_cast<float*>(c.hs) + chunk_block(p, ch, hv, (size_t)K * V) + v0;
-        for (int e = tid; e < K * (BV / 4); e += blockDim.x) {
-            const int k = e / (BV / 4), cc = 4 * (e - k * (BV / 4));
+        {
+            constexpr int KSTEP = STATE_THREADS / (BV / 4); // the thread's column stays, its rows step
+            static_assert(STATE_THREADS % (BV / 4) == 0, "kda_chunk_state: hs's thread map");
+            const int k0 = tid / (BV / 4), cc = 4 * (tid % (BV / 4));
             if (cc < nv) // nv % 8 == 0
-                *reinterpret_cast<float4*>(hs + (size_t)k * V + cc) =
-                    *reinterpret_cast<const float4*>(sS + k * SS + cc);
+#pragma unroll
+                for (int k = k0; k < K; k += KSTEP)
+                    *reinterpret_cast<float4*>(hs + (size_t)k * V + cc) =
+                        *reinterpret_cast<const float4*>(sS + k * SS + cc);
         }
 
         // A. v_new = u - w S for the warp's 16 rows and both 8-column tiles, to sN and over u
@@ -664,6 +698,8 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
                     const int k = m0 + g + 8 * (e >> 1), cc = cb + 8 * nt + 2 * t4 + (e & 1);
                     acc[nt][e] = tG[k] * sS[k * SS + cc];
                 }
+            float s1[2][4] = {}, s2[2][4] = {};
+#pragma unroll
             for (int i0 = 0; i0 < BT; i0 += 8) {
                 // A = (k exp(Gc_last - Gc))^T: element (key row, chunk row i) is KG[i][key]
                 kda_u32 ah[4], al[4];
@@ -671,11 +707,15 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt) {
                     kda_u32 bh0, bl0, bh1, bl1;
-                    tf32_split(sN[(i0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
-                    tf32_split(sN[(i0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
-                    mma_3xtf32<false>(acc[nt], ah, al, bh0, bh1, bl0, bl1);
+                    tf32_split_fast(sN[(i0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
+                    tf32_split_fast(sN[(i0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
+                    mma_3xtf32_apart(acc[nt], s1[nt], s2[nt], ah, al, bh0, bh1, bl0, bl1);
                 }
             }
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[nt][e] += s1[nt][e] + s2[nt][e];
             // (the warp's own rows of sS: phase A's reads of them are behind the barrier above)
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
@@ -696,7 +736,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         const kda_u32 sr_base =
             p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, call_epoch(p)) : 0u;
         const kda_u32 elem0 = hv * (kda_u32)(K * V);
-        for (int e = tid; e < K * BV; e += blockDim.x) {
+        for (int e = tid; e < K * BV; e += STATE_THREADS) {
             const int k = e / BV, cc = e - k * BV, v = v0 + cc;
             if (v >= V) continue;
             const kda_u32 off = state_off(k, v);
@@ -704,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
             head[off] = p.sr ? round_elem<true>(x, sr_base, elem0 + off) : round_elem<false>(x, sr_base, elem0 + off);
         }
     } else {
-        for (int e = tid; e < K * BV; e += blockDim.x) {
+        for (int e = tid; e < K * BV; e += STATE_THREADS) {
             const int k = e / BV, cc = e - k * BV, v = v0 + cc;
             if (v < V) carry[(size_t)k * V + v] = sS[k * SS + cc];
         }
@@ -732,10 +772,10 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_out(c
     const int len = (int)ct[1];
     const int v0 = (int)vb * BV, nv = V - v0 < BV ? V - v0 : BV;
     const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
-    copy_rows(tQ, CK, reinterpret_cast<const float*>(c.qg) + kb, K, BT, K);
-    copy_rows(tA, CA, reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT), BT, BT, BT);
-    copy_rows(sS, SS, reinterpret_cast<const float*>(c.hs) + chunk_block(p, ch, hv, (size_t)K * V) + v0, V, K, nv);
-    copy_rows(sN, SS, reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0, V, BT, nv);
+    copy_rows<BT, K, CK, STATE_THREADS>(tQ, reinterpret_cast<const float*>(c.qg) + kb, K);
+    copy_rows<BT, BT, CA, STATE_THREADS>(tA, reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT), BT);
+    copy_rows<K, BV, SS, STATE_THREADS>(sS, reinterpret_cast<const float*>(c.hs) + chunk_block(p, ch, hv, (size_t)K * V) + v0, V, nv);
+    copy_rows<BT, BV, SS, STATE_THREADS>(sN, reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0, V, nv);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();

@@ -215,6 +215,13 @@ __device__ __forceinline__ void tf32_split(float x, kda_u32& hi, kda_u32& lo) {
     hi = tf32_of(x);
     lo = tf32_of(x - __uint_as_float(hi));
 }
+// The same with the rest left as it is: mma.sync reads a tf32 operand's top 19 bits, so the
+// rest counts truncated, an error of at most 2^-21 |x| where rounding it gives 2^-22 |x|, at
+// three instructions instead of five (the chunked prefill's products: sixtieth session).
+__device__ __forceinline__ void tf32_split_fast(float x, kda_u32& hi, kda_u32& lo) {
+    hi = tf32_of(x);
+    lo = __float_as_uint(x - __uint_as_float(hi));
+}
 
 // c += a b for one m16n8k8 tile (row-major A fragment a, column-major B fragment b0, b1, f32
 // accumulators c: PTX's mma.m16n8k8 fragment layouts).
@@ -227,14 +234,16 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const kda_u32 (&a)[4], k
 #elif defined(KDA_EMU_MMA_TF32)
     KDA_EMU_MMA_TF32(c, a, b0, b1); // tools/offline/chunk_emu: the shuffles below, one exchange
 #else
-    // the same product from the same fragments through shuffles (devices without mma.sync)
+    // the same product from the same fragments through shuffles (devices without mma.sync),
+    // the operands read as tf32 as mma.sync reads them (their low 13 bits ignored)
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    constexpr kda_u32 M = 0xffffe000u;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-        const float a_lo = __uint_as_float(KDA_SHFL(kk < 4 ? a[0] : a[2], 4 * g + (kk & 3)));
-        const float a_hi = __uint_as_float(KDA_SHFL(kk < 4 ? a[1] : a[3], 4 * g + (kk & 3)));
-        const float b_0 = __uint_as_float(KDA_SHFL(kk < 4 ? b0 : b1, 8 * t + (kk & 3)));
-        const float b_1 = __uint_as_float(KDA_SHFL(kk < 4 ? b0 : b1, 8 * t + 4 + (kk & 3)));
+        const float a_lo = __uint_as_float(KDA_SHFL(kk < 4 ? a[0] : a[2], 4 * g + (kk & 3)) & M);
+        const float a_hi = __uint_as_float(KDA_SHFL(kk < 4 ? a[1] : a[3], 4 * g + (kk & 3)) & M);
+        const float b_0 = __uint_as_float(KDA_SHFL(kk < 4 ? b0 : b1, 8 * t + (kk & 3)) & M);
+        const float b_1 = __uint_as_float(KDA_SHFL(kk < 4 ? b0 : b1, 8 * t + 4 + (kk & 3)) & M);
         c[0] = fmaf(a_lo, b_0, c[0]);
         c[1] = fmaf(a_lo, b_1, c[1]);
         c[2] = fmaf(a_hi, b_0, c[2]);
@@ -243,23 +252,35 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const kda_u32 (&a)[4], k
 #endif
 }
 
-// The A fragment of one m16n8k8 tile, split into tf32 hi and lo parts, from a row-major tile
-// of row stride ld: p points at the lane's first element (row g, column t4), the fragment is
-// (g, t4), (g + 8, t4), (g, t4 + 4), (g + 8, t4 + 4).
+// The A fragment of one m16n8k8 tile, split into tf32 hi parts and rests (tf32_split_fast),
+// from a row-major tile of row stride ld: p points at the lane's first element (row g, column
+// t4), the fragment is (g, t4), (g + 8, t4), (g, t4 + 4), (g + 8, t4 + 4).
 __device__ __forceinline__ void frag_a_split(const float* p, int ld, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
-    tf32_split(p[0], h[0], l[0]);
-    tf32_split(p[8 * ld], h[1], l[1]);
-    tf32_split(p[4], h[2], l[2]);
-    tf32_split(p[8 * ld + 4], h[3], l[3]);
+    tf32_split_fast(p[0], h[0], l[0]);
+    tf32_split_fast(p[8 * ld], h[1], l[1]);
+    tf32_split_fast(p[4], h[2], l[2]);
+    tf32_split_fast(p[8 * ld + 4], h[3], l[3]);
 }
 
 // The same from a tile stored transposed (element (row, column) at p0[column * ld + row]): p
 // points at the lane's (g, t4), i.e. p0 + t4 ld + g.
 __device__ __forceinline__ void frag_a_split_t(const float* p, int ld, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
-    tf32_split(p[0], h[0], l[0]);
-    tf32_split(p[8], h[1], l[1]);
-    tf32_split(p[4 * ld], h[2], l[2]);
-    tf32_split(p[4 * ld + 8], h[3], l[3]);
+    tf32_split_fast(p[0], h[0], l[0]);
+    tf32_split_fast(p[8], h[1], l[1]);
+    tf32_split_fast(p[4 * ld], h[2], l[2]);
+    tf32_split_fast(p[4 * ld + 8], h[3], l[3]);
+}
+
+// c += a b with both operands split (3xTF32) as mma_3xtf32 below, the two small products into
+// accumulators of their own (s1, s2; the caller adds them to c after its last k-step): each
+// chain of dependent mma.sync is one per k-step instead of three (the chunked prefill's
+// products: sixtieth session).
+__device__ __forceinline__ void mma_3xtf32_apart(float (&c)[4], float (&s1)[4], float (&s2)[4], const kda_u32 (&ah)[4],
+                                                 const kda_u32 (&al)[4], kda_u32 bh0, kda_u32 bh1, kda_u32 bl0,
+                                                 kda_u32 bl1) {
+    mma_tf32(s1, al, bh0, bh1);
+    mma_tf32(s2, ah, bl0, bl1);
+    mma_tf32(c, ah, bh0, bh1);
 }
 
 // c += a b with both operands split (3xTF32), or with b exact in tf32 (bl unused: a 2-byte

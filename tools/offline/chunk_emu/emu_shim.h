@@ -151,9 +151,10 @@ void emu_mma_tf32(float (&c)[4], const U (&a)[4], U b0, U b1) {
     mine[4] = b0;
     mine[5] = b1;
     w.bar.arrive_and_wait();
-    auto f = [&](int src, int i) {
+    auto f = [&](int src, int i) { // read as tf32, as mma.sync reads it: the low 13 bits ignored
+        const uint32_t bits = w.frag[src][i] & 0xffffe000u;
         float x;
-        std::memcpy(&x, &w.frag[src][i], 4);
+        std::memcpy(&x, &bits, 4);
         return x;
     };
     for (int kk = 0; kk < 8; ++kk) {

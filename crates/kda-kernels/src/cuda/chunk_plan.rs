@@ -192,38 +192,43 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
 
 /// Whether the chunked kernels are expected to prefill a call of `hv` value heads over the
 /// sequences of `bounds` faster than `kda_step`'s token loop ([`crate::PrefillKernel::ByShape`],
-/// the default). A cost model fitted to the rows of the fifty-ninth session's third call (an
-/// H100; docs/performance.md; K = V = 128, every dtype within a few percent): the token loop
-/// costs its longest sequence's tokens times a step, flat up to about two (sequence, head)
-/// pairs per SM and then growing with the pairs; the chunked kernels cost a fixed part, the
-/// preparation of every (chunk, head) block, and the state pass: the longer of its chain (the
-/// longest sequence's chunks, one after another) and its throughput over every block. Where
-/// the two are within the model's error (32 x 256 at 12 heads: chunked 11% faster, the model
-/// says the loop) either is acceptable; the model only has to keep the clear cases right (one
-/// sequence of 256 tokens or more: chunked, 3-10x faster; 32 of 256 or 8 of 4096 at 32 heads:
-/// the token loop, 1.1-1.2x faster).
+/// the default). A cost model fitted to the sixtieth session's rows (an H100;
+/// docs/performance.md; K = V = 128, fp32 pools): the token loop costs its longest sequence's
+/// tokens times a step that grows with the (sequence, head) pairs run side by side, one more
+/// step per wave of [`PAIRS_PER_WAVE`] pairs (32 x 256 at 12 heads, 384 pairs, steps twice as
+/// long as 8 x 4096, 96 pairs); the chunked kernels cost a fixed part, the preparation of every
+/// (chunk, head) block, and the state pass: the longer of its chain (the longest sequence's
+/// chunks, one after another) and its throughput over every block. Within 7% of every chunked
+/// row and 20% of every token-loop row, it picks the faster kernel in each: chunked for one
+/// sequence of 256 tokens or more (3-10x faster), for 32 x 256 at 12 heads (1.18x) and 8 x
+/// 4096 at 12 heads (2x); the token loop for 32 x 256 and 8 x 4096 at 32 heads (1.05-1.12x).
 pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
-    /// The token loop: us per token step at least, and per (sequence, head) pair run side by
-    /// side where there are more.
-    const STEP_US: f64 = 1.6;
-    const STEP_US_PER_PAIR: f64 = 0.0074;
+    /// The token loop: us per token step, plus per (sequence, head) pair of a wave, per wave.
+    const STEP_US: f64 = 1.15;
+    const STEP_US_PER_PAIR: f64 = 0.003;
     /// The chunked kernels: fixed us per call; us per (chunk, head) block of the preparation
     /// and of the state pass; us per chunk of the state pass's chain.
-    const CHUNK_FIXED_US: f64 = 26.0;
-    const PREP_BLOCK_US: f64 = 0.37;
-    const STATE_BLOCK_US: f64 = 0.17;
-    const STATE_CHAIN_US: f64 = 5.3;
+    const CHUNK_FIXED_US: f64 = 25.0;
+    const PREP_BLOCK_US: f64 = 0.32;
+    const STATE_BLOCK_US: f64 = 0.19;
+    const STATE_CHAIN_US: f64 = 5.75;
     let lens = bounds.windows(2).map(|b| b[1] - b[0]);
     let (n, longest) = (
         bounds.len().saturating_sub(1),
         lens.clone().max().unwrap_or(0),
     );
+    let pairs = n * hv;
     let blocks = (lens.map(|l| l.div_ceil(BT)).sum::<usize>() * hv) as f64;
-    let steps = longest as f64 * STEP_US.max(STEP_US_PER_PAIR * (n * hv) as f64);
+    let step = STEP_US + STEP_US_PER_PAIR * pairs.min(PAIRS_PER_WAVE) as f64;
+    let steps = longest as f64 * step * pairs.div_ceil(PAIRS_PER_WAVE).max(1) as f64;
     let chain = longest.div_ceil(BT) as f64 * STATE_CHAIN_US;
     let chunked = CHUNK_FIXED_US + blocks * PREP_BLOCK_US + chain.max(blocks * STATE_BLOCK_US);
     chunked < steps
 }
+
+/// (sequence, head) pairs the token loop runs in one wave on a device of 132 SMs (its steps
+/// are about twice as long from 264 to 528: the sixtieth session's rows).
+pub(crate) const PAIRS_PER_WAVE: usize = 264;
 
 #[cfg(test)]
 mod tests {
@@ -279,20 +284,21 @@ mod tests {
     #[test]
     fn one_long_sequence_prefills_chunked_and_many_short_ones_token_by_token() {
         let seqs = |n: usize, l: usize| (0..=n).map(|i| i * l).collect::<Vec<_>>();
-        // the fifty-ninth session's rows: chunked 3-10x faster, or (8 x 4096 at 12 heads)
-        // 1.9x
+        // the sixtieth session's rows: chunked 3-10x faster, or (8 x 4096 at 12 heads) 2x, or
+        // (32 x 256 at 12 heads) 1.18x
         for (n, l, hv) in [
             (1, 256, 12),
             (1, 2048, 12),
             (1, 32768, 12),
             (8, 4096, 12),
+            (32, 256, 12),
             (1, 256, 32),
             (1, 2048, 32),
             (1, 32768, 32),
         ] {
             assert!(prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
-        // the token loop 1.1-1.2x faster
+        // the token loop 1.05-1.12x faster
         for (n, l, hv) in [(32, 256, 32), (8, 4096, 32)] {
             assert!(!prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }

@@ -824,6 +824,7 @@ mod tests {
             });
         }
         for (k, v, input) in [
+            (3, 5, Dtype::Bf16),
             (5, 7, Dtype::Fp32),
             (40, 24, Dtype::Fp16),
             (256, 64, Dtype::Bf16),
