@@ -13,10 +13,10 @@
 //   w S (over u) and S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new; the state read from
 //   the slot (or the carry) at the piece's start and stored, rounded to the pool's element, at
 //   its end;
-// - kda_chunk_out, one CTA per (chunk, value head, BV value columns), every chunk at once: the
+// - kda_chunk_out, one CTA per (chunk, value head, OBV value columns), every chunk at once: the
 //   outputs q exp(Gc) S + Aqk v_new.
 // Every exponent is a difference Gc_i - Gc_j with j <= i, or Gc itself, kept in log2 units
-// (exp2f), so nothing overflows for log-decays <= 0. A ring's pending entries are folded
+// (exp2_nonpos), so nothing overflows for log-decays <= 0. A ring's pending entries are folded
 // first by kda_chunk_state in f32 (no store in between), and kda_chunk_ring_reset empties the
 // ring after the last window.
 
@@ -44,6 +44,9 @@ constexpr int TS = BC + 4;             // smem row stride of kda_chunk_prep's T_
 constexpr int BV = 32;                 // value columns per kda_chunk_state CTA
 constexpr int SS = BV + 8;             // smem row stride of the state's columns (B fragments conflict-free)
 constexpr int STATE_THREADS = 256;     // one warp per 16 chunk rows and 16 value columns
+constexpr int OBV = 64;                // value columns per kda_chunk_out CTA
+constexpr int OSS = OBV + 8;           // smem row stride of its state's and v_new's columns
+constexpr int OUT_THREADS = 256;       // one warp per 16 chunk rows and 32 value columns
 constexpr float LOG2E = 1.4426950408889634f;
 // Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB, sF (step 3's
 // factored rows, then step 5's inverses of the diagonal blocks).
@@ -51,11 +54,12 @@ constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT 
               PREP_B = PREP_A + BT * CA, PREP_F = PREP_B + BT,
               PREP_END = PREP_F + ((BT + BC) * CK > BT * TS ? (BT + BC) * CK : BT * TS);
 // kda_chunk_state: sS, sN, then the chunk's scratch tW, tK, tU, tG (two CTAs per SM at K = V
-// = 128). kda_chunk_out: sS, sN, tQ, tA.
+// = 128). kda_chunk_out: sS, sN (OBV columns), tQ, tA.
 constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_K = ST_W + BT * CK, ST_U = ST_K + BT * CK,
               ST_G = ST_U + BT * BV, ST_END = ST_G + K;
-constexpr int OUT_N = K * SS, OUT_Q = OUT_N + BT * SS, OUT_A = OUT_Q + BT * CK, OUT_END = OUT_A + BT * CA;
+constexpr int OUT_N = K * OSS, OUT_Q = OUT_N + BT * OSS, OUT_A = OUT_Q + BT * CK, OUT_END = OUT_A + BT * CA;
 static_assert(STATE_THREADS == 32 * (BT / 16) * (BV / 16), "kda_chunk_state: one warp per 16 rows and 16 columns");
+static_assert(OUT_THREADS == 32 * (BT / 16) * (OBV / 32), "kda_chunk_out: one warp per 16 rows and 32 columns");
 static_assert(PREP_THREADS % BT == 0 && PREP_THREADS % (BT / BC) == 0 && PREP_THREADS % 64 == 0,
               "kda_chunk_prep: its thread maps");
 
@@ -69,6 +73,19 @@ extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[5] = {0x4b444153u, 4u *
                                                                 4u * kda::OUT_END, 0x534d454du};
 
 namespace kda {
+
+// 2^x for x <= 0 (every exponent of kda_chunk_prep): ex2.approx.ftz, without exp2f's range
+// check for results below 2^-126 (flushed to 0 here: a decay that small adds nothing). exp2f
+// elsewhere.
+__device__ __forceinline__ float exp2_nonpos(float x) {
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
 
 // Scratch of (chunk ch, value head hv): the element offset of its block of `per` floats.
 __device__ __forceinline__ size_t chunk_block(const KdaParams& p, kda_u32 ch, kda_u32 hv, size_t per) {
@@ -102,20 +119,21 @@ __device__ __forceinline__ void copy_rows(float* dst, const float* src, size_t s
     }
 }
 
-// acc += A B for a warp's 16 rows and two 8-column tiles on the tensor cores (3xTF32): A's
-// rows from a (row-major, row stride lda, the warp's first row), kn columns of it (a multiple
-// of 8); tile nt's kn rows of B from b[nt] (row stride ldb[nt], the tile's first column),
-// skipped where on[nt] is false. Accumulator e of tile nt is (row g + 8 (e / 2), column 2 t4 +
-// e % 2 of the tile).
-__device__ __forceinline__ void warp_product_tiles(float (&acc)[2][4], const float* a, int lda,
-                                                   const float* const (&b)[2], const int (&ldb)[2],
-                                                   const bool (&on)[2], int kn, int g, int t4) {
-    float s1[2][4] = {}, s2[2][4] = {};
+// acc += A B for a warp's 16 rows and NT 8-column tiles on the tensor cores (3xTF32), the A
+// fragments shared by the tiles: A's rows from a (row-major, row stride lda, the warp's first
+// row), kn columns of it (a multiple of 8); tile nt's kn rows of B from b[nt] (row stride
+// ldb[nt], the tile's first column), skipped where on[nt] is false. Accumulator e of tile nt
+// is (row g + 8 (e / 2), column 2 t4 + e % 2 of the tile).
+template <int NT>
+__device__ __forceinline__ void warp_product_tiles(float (&acc)[NT][4], const float* a, int lda,
+                                                   const float* const (&b)[NT], const int (&ldb)[NT],
+                                                   const bool (&on)[NT], int kn, int g, int t4) {
+    float s1[NT][4] = {}, s2[NT][4] = {};
     for (int k0 = 0; k0 < kn; k0 += 8) {
         kda_u32 ah[4], al[4];
         frag_a_split(a + g * lda + k0 + t4, lda, ah, al);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
             if (!on[nt]) continue;
             kda_u32 bh0, bl0, bh1, bl1;
             tf32_split_fast(b[nt][(k0 + t4) * ldb[nt] + g], bh0, bl0);
@@ -124,18 +142,21 @@ __device__ __forceinline__ void warp_product_tiles(float (&acc)[2][4], const flo
         }
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] += s1[nt][e] + s2[nt][e];
 }
 
-// The same for two adjacent tiles of one B (row stride ldb, the first tile's first column at b).
-__device__ __forceinline__ void warp_product(float (&acc)[2][4], const float* a, int lda, const float* b, int ldb,
+// The same for NT adjacent tiles of one B (row stride ldb, the first tile's first column at b).
+template <int NT>
+__device__ __forceinline__ void warp_product(float (&acc)[NT][4], const float* a, int lda, const float* b, int ldb,
                                              int kn, int g, int t4) {
-    const float* const bt[2] = {b, b + 8};
-    const int ld[2] = {ldb, ldb};
-    const bool on[2] = {true, true};
-    warp_product_tiles(acc, a, lda, bt, ld, on, kn, g, t4);
+    const float* bt[NT];
+    int ld[NT];
+    bool on[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) bt[nt] = b + 8 * nt, ld[nt] = ldb, on[nt] = true;
+    warp_product_tiles<NT>(acc, a, lda, bt, ld, on, kn, g, t4);
 }
 
 // Offset of state element (k, v) in a head of the pool's layout.
@@ -303,8 +324,9 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
     __syncthreads();
 
-    // 2. l2norm (and the query's scale) in place, one warp per row, act_finish's arithmetic;
-    //    Gc, one thread per key channel.
+    // 2. l2norm (and the query's scale) in place, one warp per row, act_finish's FAST
+    //    arithmetic (times rsqrt: IEEE division called a subroutine, sixtieth session); Gc, one
+    //    thread per key channel.
     for (int r = warp; r < 2 * len; r += nwarps) {
         float* row = r < len ? sK + r * CK : sQ + (r - len) * CK;
         float x[KL];
@@ -313,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
             const int kk = lane + 32 * i;
             x[i] = kk < K ? row[kk] : 0.0f; // each lane rewrites only the elements it read
         }
-        act_finish(x, row, p.l2norm != 0u, r >= len, p.scale, lane);
+        act_finish<true>(x, row, p.l2norm != 0u, r >= len, p.scale, lane);
     }
     for (int kk = tid; kk < K; kk += PREP_THREADS) {
         float run = 0.0f;
@@ -365,8 +387,8 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                     const float4 ki4 = *reinterpret_cast<const float4*>(ki + k);
                     const float4 qi4 = *reinterpret_cast<const float4*>(qi + k);
                     const float4 gi4 = *reinterpret_cast<const float4*>(gi + k);
-                    const float e0 = kj4.x * exp2f(gi4.x - gj4.x), e1 = kj4.y * exp2f(gi4.y - gj4.y);
-                    const float e2 = kj4.z * exp2f(gi4.z - gj4.z), e3 = kj4.w * exp2f(gi4.w - gj4.w);
+                    const float e0 = kj4.x * exp2_nonpos(gi4.x - gj4.x), e1 = kj4.y * exp2_nonpos(gi4.y - gj4.y);
+                    const float e2 = kj4.z * exp2_nonpos(gi4.z - gj4.z), e3 = kj4.w * exp2_nonpos(gi4.w - gj4.w);
                     sk += ki4.x * e0 + ki4.y * e1 + ki4.z * e2 + ki4.w * e3;
                     sq += qi4.x * e0 + qi4.y * e1 + qi4.z * e2 + qi4.w * e3;
                 }
@@ -411,8 +433,8 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                 const float4 gt = *reinterpret_cast<const float4*>(sG + t * CK + kk);
                 const float s = is_row ? 1.0f : -1.0f; // exp2(Gc_t - Gc_r) for rows, exp2(Gc_r - Gc_t) for columns
                 *reinterpret_cast<float4*>(sF + row * CK + kk) =
-                    make_float4(x.x * exp2f(s * (gt.x - gr.x)), x.y * exp2f(s * (gt.y - gr.y)),
-                                x.z * exp2f(s * (gt.z - gr.z)), x.w * exp2f(s * (gt.w - gr.w)));
+                    make_float4(x.x * exp2_nonpos(s * (gt.x - gr.x)), x.y * exp2_nonpos(s * (gt.y - gr.y)),
+                                x.z * exp2_nonpos(s * (gt.z - gr.z)), x.w * exp2_nonpos(s * (gt.w - gr.w)));
             }
             __syncthreads();
             if (warp < 2 * (r / 8)) {
@@ -472,9 +494,9 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
             float oq[4], ok[4], orhs[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float eg = exp2f(gt[i]);
+                const float eg = exp2_nonpos(gt[i]);
                 oq[i] = qx[i] * eg;
-                ok[i] = kx[i] * exp2f(glast[i] - gt[i]);
+                ok[i] = kx[i] * exp2_nonpos(glast[i] - gt[i]);
                 orhs[i] = sB[t] * kx[i] * eg;
             }
             *reinterpret_cast<float4*>(qg + 4 * e) = make_float4(oq[0], oq[1], oq[2], oq[3]);
@@ -482,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
             *reinterpret_cast<float4*>(sQ + t * CK + kk) = make_float4(orhs[0], orhs[1], orhs[2], orhs[3]);
             if (t == 0)
                 *reinterpret_cast<float4*>(gl + kk) =
-                    make_float4(exp2f(glast[0]), exp2f(glast[1]), exp2f(glast[2]), exp2f(glast[3]));
+                    make_float4(exp2_nonpos(glast[0]), exp2_nonpos(glast[1]), exp2_nonpos(glast[2]), exp2_nonpos(glast[3]));
         }
         for (int e = tid; e < BT * V / 4; e += PREP_THREADS) {
             const int t = 4 * e / V, cv = 4 * e - t * V;
@@ -751,49 +773,48 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     }
 }
 
-// One CTA per (chunk of the window, value head, BV value columns): blockIdx.x = (chunk * HV +
+// One CTA per (chunk of the window, value head, OBV value columns): blockIdx.x = (chunk * HV +
 // hv) * vblocks + vb; after kda_chunk_state, every chunk at once. The chunk's outputs of the
 // CTA's columns: q exp(Gc) S + Aqk v_new, with S the state at the chunk's start and v_new as
-// kda_chunk_state left them in the scratch; the warps' tiles as kda_chunk_state's phase A.
-extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_out(const KdaParams p,
-                                                                              const KdaChunkParams c) {
+// kda_chunk_state left them in the scratch; warp w the chunk rows 16 (w % 4) .. + 15 and the
+// columns 32 (w / 4) .. + 31, four tiles sharing each A fragment. (With 32 columns per CTA,
+// q exp(Gc) and Aqk were read four times per block, and each A fragment split for two tiles:
+// sixtieth session.)
+extern "C" __global__ void __launch_bounds__(kda::OUT_THREADS) kda_chunk_out(const KdaParams p,
+                                                                            const KdaChunkParams c) {
     using namespace kda;
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's out_smem
-    float* sS = csm;         // [K][SS] the state's columns v0 .. v0 + BV at the chunk's start
-    float* sN = csm + OUT_N; // [BT][SS] v_new's columns
+    float* sS = csm;         // [K][OSS] the state's columns v0 .. v0 + OBV at the chunk's start
+    float* sN = csm + OUT_N; // [BT][OSS] v_new's columns
     float* tQ = csm + OUT_Q; // [BT][CK] q exp(Gc)
     float* tA = csm + OUT_A; // [BT][CA] Aqk
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    constexpr int VB = (V + BV - 1) / BV;
+    constexpr int VB = (V + OBV - 1) / OBV;
     const kda_u32 vb = blockIdx.x % VB, rest = blockIdx.x / VB;
     const kda_u32 ch = rest / p.hv, hv = rest - ch * p.hv;
     const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
     const kda_u32 tok0 = ct[0];
     const int len = (int)ct[1];
-    const int v0 = (int)vb * BV, nv = V - v0 < BV ? V - v0 : BV;
+    const int v0 = (int)vb * OBV, nv = V - v0 < OBV ? V - v0 : OBV;
     const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
-    copy_rows<BT, K, CK, STATE_THREADS>(tQ, reinterpret_cast<const float*>(c.qg) + kb, K);
-    copy_rows<BT, BT, CA, STATE_THREADS>(tA, reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT), BT);
-    copy_rows<K, BV, SS, STATE_THREADS>(sS, reinterpret_cast<const float*>(c.hs) + chunk_block(p, ch, hv, (size_t)K * V) + v0, V, nv);
-    copy_rows<BT, BV, SS, STATE_THREADS>(sN, reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0, V, nv);
+    copy_rows<BT, K, CK, OUT_THREADS>(tQ, reinterpret_cast<const float*>(c.qg) + kb, K);
+    copy_rows<BT, BT, CA, OUT_THREADS>(tA, reinterpret_cast<const float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT), BT);
+    copy_rows<K, OBV, OSS, OUT_THREADS>(sS, reinterpret_cast<const float*>(c.hs) + chunk_block(p, ch, hv, (size_t)K * V) + v0, V, nv);
+    copy_rows<BT, OBV, OSS, OUT_THREADS>(sN, reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0, V, nv);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    // (columns past V, where the CTA has fewer than BV: whatever shared memory held; each
+    // (columns past V, where the CTA has fewer than OBV: whatever shared memory held; each
     // output column reads only its own column of S and v_new, and these are not stored)
 
-    constexpr int RW = BT / 16;
-    const int r0 = 16 * (warp % RW), cb = 16 * (warp / RW);
-    float o[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
-    warp_product(o, tQ + r0 * CK, CK, sS + cb, SS, K, g, t4); // q exp(Gc) S
+    constexpr int RW = BT / 16, NT = 4;
+    const int r0 = 16 * (warp % RW), cb = 8 * NT * (warp / RW);
+    float o[NT][4] = {};
+    warp_product<NT>(o, tQ + r0 * CK, CK, sS + cb, OSS, K, g, t4); // q exp(Gc) S
     // + Aqk v_new (Aqk is 0 right of the diagonal: the warp's k-steps end at its rows)
-    warp_product(o, tA + r0 * CA, CA, sN + cb, SS, r0 + 16, g, t4);
+    warp_product<NT>(o, tA + r0 * CA, CA, sN + cb, OSS, r0 + 16, g, t4);
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
             const int i = r0 + g + 8 * h2, cc = cb + 8 * nt + 2 * t4;

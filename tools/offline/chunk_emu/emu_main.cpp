@@ -209,7 +209,8 @@ static void run_chunked(Problem& pb, size_t max_chunks) {
         constexpr u32 VB = (V + kda::BV - 1) / kda::BV;
         emu_launch((u32)(win.pieces.size() * pb.hv) * VB, kda::STATE_THREADS, [&] { kda_chunk_state(p, c); },
                    fresh_smem);
-        emu_launch((u32)(win.chunks.size() * pb.hv) * VB, kda::STATE_THREADS, [&] { kda_chunk_out(p, c); },
+        constexpr u32 OVB = (V + kda::OBV - 1) / kda::OBV;
+        emu_launch((u32)(win.chunks.size() * pb.hv) * OVB, kda::OUT_THREADS, [&] { kda_chunk_out(p, c); },
                    fresh_smem);
     }
     if (pb.ring_len > 0)

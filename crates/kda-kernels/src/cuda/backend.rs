@@ -24,8 +24,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::chunk_plan::{
-    chunk_supported, max_chunks, out_smem, prefer_chunked, prep_smem, state_smem, vblocks, windows,
-    ChunkParams, ScratchLayout, DEFAULT_SCRATCH_BYTES, PREP_THREADS, STATE_THREADS,
+    chunk_supported, max_chunks, out_smem, out_vblocks, prefer_chunked, prep_smem, state_smem,
+    vblocks, windows, ChunkParams, ScratchLayout, DEFAULT_SCRATCH_BYTES, OUT_THREADS, PREP_THREADS,
+    STATE_THREADS,
 };
 use super::eager_plan::{eager_plan, EagerPlan, EagerShape, PIPE_THREADS, STREAM_CTAS_PER_SM};
 use super::kernel::Kernel;
@@ -650,8 +651,8 @@ impl CudaBackend {
                 ),
                 (
                     &kernels.out,
-                    n_chunks * hv * vblocks(v),
-                    STATE_THREADS,
+                    n_chunks * hv * out_vblocks(v),
+                    OUT_THREADS,
                     out_bytes,
                 ),
             ] {

@@ -6,12 +6,16 @@
 
 /// Tokens per chunk (`BT` of `kda_chunk.cu`).
 pub(crate) const BT: usize = 64;
-/// Value columns per `kda_chunk_state` and `kda_chunk_out` CTA (`BV`).
+/// Value columns per `kda_chunk_state` CTA (`BV`).
 pub(crate) const BV: usize = 32;
+/// Value columns per `kda_chunk_out` CTA (`OBV`).
+pub(crate) const OBV: usize = 64;
 /// Threads of a `kda_chunk_prep` CTA (`PREP_THREADS`).
 pub(crate) const PREP_THREADS: usize = 512;
-/// Threads of a `kda_chunk_state` and of a `kda_chunk_out` CTA (`STATE_THREADS`).
+/// Threads of a `kda_chunk_state` CTA (`STATE_THREADS`).
 pub(crate) const STATE_THREADS: usize = 256;
+/// Threads of a `kda_chunk_out` CTA (`OUT_THREADS`).
+pub(crate) const OUT_THREADS: usize = 256;
 /// `KDA_PIECE_FROM_SLOT`: the piece starts from the slot's state (else from the carry).
 pub(crate) const FROM_SLOT: u32 = 1;
 /// `KDA_PIECE_TO_SLOT`: the piece ends by storing the slot's state (else into the carry).
@@ -72,17 +76,21 @@ pub(crate) fn state_smem(k: usize) -> usize {
     4 * ((k + BT) * (BV + 8) + 2 * BT * ck + BT * BV + k)
 }
 
-/// Dynamic shared memory of `kda_chunk_out`, bytes: `sS` and `sN` as `kda_chunk_state`'s, `tQ`
-/// (`BT` rows of `k` rounded up to 4, plus 4) and `tA` (`BT` rows of `BT + 4`).
+/// Dynamic shared memory of `kda_chunk_out`, bytes: its `sS` and `sN` arrays (rows of `OBV +
+/// 8` floats), `tQ` (`BT` rows of `k` rounded up to 4, plus 4) and `tA` (`BT` rows of `BT + 4`).
 pub(crate) fn out_smem(k: usize) -> usize {
     let ck = k.next_multiple_of(4) + 4;
-    4 * ((k + BT) * (BV + 8) + BT * ck + BT * (BT + 4))
+    4 * ((k + BT) * (OBV + 8) + BT * ck + BT * (BT + 4))
 }
 
-/// `kda_chunk_state` CTAs per (piece, value head), and `kda_chunk_out` CTAs per (chunk, value
-/// head).
+/// `kda_chunk_state` CTAs per (piece, value head).
 pub(crate) fn vblocks(v: usize) -> usize {
     v.div_ceil(BV)
+}
+
+/// `kda_chunk_out` CTAs per (chunk, value head).
+pub(crate) fn out_vblocks(v: usize) -> usize {
+    v.div_ceil(OBV)
 }
 
 /// Scratch floats of one (chunk, value head) block: w, q exp(Gc), k exp(Gc_last - Gc) (BT x K
@@ -192,7 +200,7 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
 
 /// Whether the chunked kernels are expected to prefill a call of `hv` value heads over the
 /// sequences of `bounds` faster than `kda_step`'s token loop ([`crate::PrefillKernel::ByShape`],
-/// the default). A cost model fitted to the sixtieth session's rows (an H100;
+/// the default). A cost model fitted to the sixtieth session's rows (its seventh call, an H100;
 /// docs/performance.md; K = V = 128, fp32 pools): the token loop costs its longest sequence's
 /// tokens times a step that grows with the (sequence, head) pairs run side by side, one more
 /// step per wave of [`PAIRS_PER_WAVE`] pairs (32 x 256 at 12 heads, 384 pairs, steps twice as
@@ -200,18 +208,20 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
 /// (chunk, head) block, and the state pass: the longer of its chain (the longest sequence's
 /// chunks, one after another) and its throughput over every block. Within 7% of every chunked
 /// row and 20% of every token-loop row, it picks the faster kernel in each: chunked for one
-/// sequence of 256 tokens or more (3-10x faster), for 32 x 256 at 12 heads (1.18x) and 8 x
-/// 4096 at 12 heads (2x); the token loop for 32 x 256 and 8 x 4096 at 32 heads (1.05-1.12x).
+/// sequence of 256 tokens or more (3-10x faster), for 32 x 256 at 12 heads (1.2x) and 8 x
+/// 4096 at 12 heads (2x); the token loop for 32 x 256 and 8 x 4096 at 32 heads, where the two
+/// are within 3.5% (the ninth call's preparation, 5% faster, makes chunked the faster there at
+/// 8 x 4096: 7625 against 7900 us).
 pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
     /// The token loop: us per token step, plus per (sequence, head) pair of a wave, per wave.
     const STEP_US: f64 = 1.15;
     const STEP_US_PER_PAIR: f64 = 0.003;
     /// The chunked kernels: fixed us per call; us per (chunk, head) block of the preparation
     /// and of the state pass; us per chunk of the state pass's chain.
-    const CHUNK_FIXED_US: f64 = 25.0;
-    const PREP_BLOCK_US: f64 = 0.32;
-    const STATE_BLOCK_US: f64 = 0.19;
-    const STATE_CHAIN_US: f64 = 5.75;
+    const CHUNK_FIXED_US: f64 = 26.0;
+    const PREP_BLOCK_US: f64 = 0.294;
+    const STATE_BLOCK_US: f64 = 0.186;
+    const STATE_CHAIN_US: f64 = 5.68;
     let lens = bounds.windows(2).map(|b| b[1] - b[0]);
     let (n, longest) = (
         bounds.len().saturating_sub(1),
@@ -258,7 +268,9 @@ mod tests {
             state_smem(32),
             4 * ((32 + BT) * (BV + 8) + 2 * BT * 36 + BT * BV + 32)
         );
-        assert_eq!(out_smem(128), 81_920);
+        assert_eq!(out_smem(128), 106_496);
+        assert_eq!(out_vblocks(128), 2);
+        assert_eq!(out_vblocks(48), 1);
     }
 
     #[test]
@@ -285,7 +297,7 @@ mod tests {
     fn one_long_sequence_prefills_chunked_and_many_short_ones_token_by_token() {
         let seqs = |n: usize, l: usize| (0..=n).map(|i| i * l).collect::<Vec<_>>();
         // the sixtieth session's rows: chunked 3-10x faster, or (8 x 4096 at 12 heads) 2x, or
-        // (32 x 256 at 12 heads) 1.18x
+        // (32 x 256 at 12 heads) 1.2x
         for (n, l, hv) in [
             (1, 256, 12),
             (1, 2048, 12),
@@ -298,7 +310,7 @@ mod tests {
         ] {
             assert!(prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
-        // the token loop 1.05-1.12x faster
+        // the token loop 1.06x faster, or (8 x 4096 at 32 heads) a tie
         for (n, l, hv) in [(32, 256, 32), (8, 4096, 32)] {
             assert!(!prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
         }
