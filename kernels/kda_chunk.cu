@@ -8,7 +8,8 @@
 //   chunk-local cumulative log-decay Gc, Akk and Aqk, w = (I + Akk)^-1 (beta k exp(Gc)) and
 //   u = (I + Akk)^-1 (beta v) by blocked substitution, q exp(Gc), k exp(Gc_last - Gc) and
 //   exp(Gc_last), into f32 scratch;
-// - kda_chunk_state, one CTA per (piece, value head, BV value columns): the state's columns in
+// - kda_chunk_state, one CTA per (piece, value head, BV value columns; kda_chunk_state_narrow:
+//   BVN columns, where the wider CTAs would leave multiprocessors idle): the state's columns in
 //   shared memory, chunk after chunk the state at the chunk's start to the scratch, v_new = u -
 //   w S (over u) and S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new; the state read from
 //   the slot (or the carry) at the piece's start and stored, rounded to the pool's element, at
@@ -42,8 +43,8 @@ constexpr int PREP_THREADS = 512;
 constexpr int BC = 16;                 // tokens per sub-chunk of Akk and Aqk
 constexpr int TS = BC + 4;             // smem row stride of kda_chunk_prep's T_I blocks (A fragments conflict-free)
 constexpr int BV = 32;                 // value columns per kda_chunk_state CTA
-constexpr int SS = BV + 8;             // smem row stride of the state's columns (B fragments conflict-free)
-constexpr int STATE_THREADS = 256;     // one warp per 16 chunk rows and 16 value columns
+constexpr int BVN = 16;                // per kda_chunk_state_narrow CTA
+constexpr int STATE_THREADS = 256;     // eight warps: phase A's 16-row blocks by BV / 2 columns
 constexpr int OBV = 64;                // value columns per kda_chunk_out CTA
 constexpr int OSS = OBV + 8;           // smem row stride of its state's and v_new's columns
 constexpr int OUT_THREADS = 256;       // one warp per 16 chunk rows and 32 value columns
@@ -53,12 +54,15 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CV,
               PREP_B = PREP_A + BT * CA, PREP_F = PREP_B + BT,
               PREP_END = PREP_F + ((BT + BC) * CK > BT * TS ? (BT + BC) * CK : BT * TS);
-// kda_chunk_state: sS, sN, then the chunk's scratch tW, tK, tU, tG (two CTAs per SM at K = V
+// kda_chunk_state with NB value columns per CTA: sS, sN (rows of SS = NB + 8 floats: B
+// fragments conflict-free), then the chunk's scratch tW, tK, tU, tG (two CTAs per SM at K = V
 // = 128). kda_chunk_out: sS, sN (OBV columns), tQ, tA.
-constexpr int ST_N = K * SS, ST_W = ST_N + BT * SS, ST_K = ST_W + BT * CK, ST_U = ST_K + BT * CK,
-              ST_G = ST_U + BT * BV, ST_END = ST_G + K;
+template <int NB> struct StateCols {
+    static constexpr int SS = NB + 8;
+    static constexpr int N = K * SS, W = N + BT * SS, KG = W + BT * CK, U = KG + BT * CK, G = U + BT * NB, END = G + K;
+};
 constexpr int OUT_N = K * OSS, OUT_Q = OUT_N + BT * OSS, OUT_A = OUT_Q + BT * CK, OUT_END = OUT_A + BT * CA;
-static_assert(STATE_THREADS == 32 * (BT / 16) * (BV / 16), "kda_chunk_state: one warp per 16 rows and 16 columns");
+static_assert(STATE_THREADS == 32 * (BT / 16) * 2, "kda_chunk_state: four warps per column half");
 static_assert(OUT_THREADS == 32 * (BT / 16) * (OBV / 32), "kda_chunk_out: one warp per 16 rows and 32 columns");
 static_assert(PREP_THREADS % BT == 0 && PREP_THREADS % (BT / BC) == 0 && PREP_THREADS % 64 == 0,
               "kda_chunk_prep: its thread maps");
@@ -69,8 +73,9 @@ static_assert(PREP_THREADS % BT == 0 && PREP_THREADS % (BT / BC) == 0 && PREP_TH
 // host sizes its launches with chunk_plan.rs's prep_smem and state_smem, and the NVRTC test
 // of registry.rs reads these words out of the compiled module to hold the two to the same
 // numbers.
-extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[5] = {0x4b444153u, 4u * kda::PREP_END, 4u * kda::ST_END,
-                                                                4u * kda::OUT_END, 0x534d454du};
+extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[6] = {
+    0x4b444153u, 4u * kda::PREP_END, 4u * kda::StateCols<kda::BV>::END, 4u * kda::StateCols<kda::BVN>::END,
+    4u * kda::OUT_END, 0x534d454du};
 
 namespace kda {
 
@@ -129,6 +134,7 @@ __device__ __forceinline__ void warp_product_tiles(float (&acc)[NT][4], const fl
                                                    const float* const (&b)[NT], const int (&ldb)[NT],
                                                    const bool (&on)[NT], int kn, int g, int t4) {
     float s1[NT][4] = {}, s2[NT][4] = {};
+#pragma unroll 4
     for (int k0 = 0; k0 < kn; k0 += 8) {
         kda_u32 ah[4], al[4];
         frag_a_split(a + g * lda + k0 + t4, lda, ah, al);
@@ -171,15 +177,17 @@ __device__ __forceinline__ void store_out4(IT* p, float a, float b, float c, flo
     kda_store_vec<IT, 4>(p, x);
 }
 
-// The slot's pending ring entries folded into the state's columns sS ([K][SS], f32) as tokens
+// The slot's pending ring entries folded into the state's NB columns sS ([K][NB + 8], f32) as tokens
 // without output (spec section 2: decay, v - k S, the rank-1 update), so the prefill starts from
 // the true state without a store in between (a 2-byte pool rounds it once, at the end). The
 // ring record is read here, checked and clamped by kda_step's plan (plan_from: a prefill
 // folds the pending entries, drops the drafts), and cleared by kda_chunk_ring_reset after the
 // call's last window. `first`: the CTA that records a corrupt record in the error word.
+template <int NB>
 __device__ __forceinline__ void fold_pending(const KdaParams& p, kda_u32 slot, kda_u32 hv, int v0, float* sS,
                                              bool first) {
-    __shared__ float fk[K], fd[K], fv[BV], fu[BV], fred[STATE_THREADS / 32][BV + 1];
+    constexpr int SS = StateCols<NB>::SS;
+    __shared__ float fk[K], fd[K], fv[NB], fu[NB], fred[STATE_THREADS / 32][NB + 1];
     __shared__ float fbeta;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const kda_u32* meta = reinterpret_cast<const kda_u32*>(p.meta) + (size_t)slot * 4;
@@ -204,37 +212,37 @@ __device__ __forceinline__ void fold_pending(const KdaParams& p, kda_u32 slot, k
             fd[kk] = expf(log_decay_at(kda_load(gp[kk]), bias + kk, p, a_exp));
         }
         ss = warp_sum(ss);
-        if (lane == 0) fred[warp][BV] = ss;
-        for (int cc = tid; cc < BV; cc += blockDim.x) fv[cc] = v0 + cc < V ? kda_load(vp[v0 + cc]) : 0.0f;
+        if (lane == 0) fred[warp][NB] = ss;
+        for (int cc = tid; cc < NB; cc += blockDim.x) fv[cc] = v0 + cc < V ? kda_load(vp[v0 + cc]) : 0.0f;
         if (tid == 0) fbeta = act_beta(kda_load(base[ring_off_beta(p, hv)]), p);
         __syncthreads();
         if (p.l2norm) {
             float tot = 0.0f;
-            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) tot += fred[w][BV];
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) tot += fred[w][NB];
             const float nrm = sqrtf(tot + 1e-6f);
             __syncthreads(); // every thread has read the sums
             for (int kk = tid; kk < K; kk += blockDim.x) fk[kk] = fk[kk] / nrm;
             __syncthreads();
         }
         // decay the rows, then k S per column
-        float part[BV];
+        float part[NB];
 #pragma unroll
-        for (int cc = 0; cc < BV; ++cc) part[cc] = 0.0f;
+        for (int cc = 0; cc < NB; ++cc) part[cc] = 0.0f;
         for (int k = tid; k < K; k += blockDim.x) {
 #pragma unroll
-            for (int cc = 0; cc < BV; ++cc) {
+            for (int cc = 0; cc < NB; ++cc) {
                 const float x = sS[k * SS + cc] * fd[k];
                 sS[k * SS + cc] = x;
                 part[cc] += fk[k] * x;
             }
         }
 #pragma unroll
-        for (int cc = 0; cc < BV; ++cc) {
+        for (int cc = 0; cc < NB; ++cc) {
             const float x = warp_sum(part[cc]);
             if (lane == 0) fred[warp][cc] = x;
         }
         __syncthreads();
-        if (tid < BV) {
+        if (tid < NB) {
             float ks = 0.0f;
             for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ks += fred[w][tid];
             fu[tid] = fbeta * (fv[tid] - ks);
@@ -242,7 +250,7 @@ __device__ __forceinline__ void fold_pending(const KdaParams& p, kda_u32 slot, k
         __syncthreads();
         for (int k = tid; k < K; k += blockDim.x) {
 #pragma unroll
-            for (int cc = 0; cc < BV; ++cc) sS[k * SS + cc] += fk[k] * fu[cc];
+            for (int cc = 0; cc < NB; ++cc) sS[k * SS + cc] += fk[k] * fu[cc];
         }
         __syncthreads();
     }
@@ -604,7 +612,8 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
 }
 
-// One CTA per (piece of the window, value head, BV value columns): blockIdx.x = (piece * HV +
+// kda_chunk_state's body for NB value columns per CTA (BV, or BVN for kda_chunk_state_narrow).
+// One CTA per (piece of the window, value head, NB value columns): blockIdx.x = (piece * HV +
 // hv) * vblocks + vb. The chain of a piece, chunk after chunk: the state at the chunk's start
 // to the scratch (hs, for kda_chunk_out), v_new = u - w S (to the scratch, over u's columns),
 // S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new. The outputs are kda_chunk_out's, every
@@ -613,27 +622,31 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 // memory by cp.async in two groups, each issued as soon as the previous chunk's phase that
 // reads its buffers is done: w and u's columns (phase A) during the previous chunk's phase C,
 // k exp(Gc_last - Gc) and exp(Gc_last) (phase C) during this chunk's phase A. The products run
-// on the tensor cores (3xTF32 mma.sync, f32 accuracy): warp w takes the 16 columns cb = 16 (w
-// / 4) .. cb + 15 of the CTA's and, of them, chunk rows 16 (w % 4) .. 16 (w % 4) + 15 in
-// phase A and key rows 16 (w % 4 + 4 m) .. in phase C.
-extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state(const KdaParams p,
-                                                                                const KdaChunkParams c) {
+// on the tensor cores (3xTF32 mma.sync, f32 accuracy). Phase A: warp w the chunk rows 16 (w %
+// 4) .. + 15 and NB / 2 of the CTA's columns (NB / 16 tiles of 8). Phase C: warp w 16 columns
+// (two tiles) and every CG-th block of 16 key rows, CG = 4 (NB = 32) or 8 (NB = 16), so that a
+// narrow CTA's warps split each A fragment once, as the wide one's do.
+template <int NB>
+__device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const KdaChunkParams& c) {
     using namespace kda;
+    static_assert(NB == 16 || NB == 32, "kda_chunk_state: 16 or 32 columns per CTA");
+    using L = StateCols<NB>;
+    constexpr int SS = L::SS;
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's state_smem
-    float* sS = csm;          // [K][SS] the state's columns v0 .. v0 + BV
-    float* sN = csm + ST_N;   // [BT][SS] v_new of the chunk
-    float* tW = csm + ST_W;   // [BT][CK] w
-    float* tK = csm + ST_K;   // [BT][CK] k exp(Gc_last - Gc)
-    float* tU = csm + ST_U;   // [BT][BV] u's columns v0 .. v0 + BV
-    float* tG = csm + ST_G;   // [K] exp(Gc_last)
+    float* sS = csm;        // [K][SS] the state's columns v0 .. v0 + NB
+    float* sN = csm + L::N;  // [BT][SS] v_new of the chunk
+    float* tW = csm + L::W;  // [BT][CK] w
+    float* tK = csm + L::KG; // [BT][CK] k exp(Gc_last - Gc)
+    float* tU = csm + L::U;  // [BT][NB] u's columns v0 .. v0 + NB
+    float* tG = csm + L::G;  // [K] exp(Gc_last)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    constexpr int VB = (V + BV - 1) / BV;
+    constexpr int VB = (V + NB - 1) / NB;
     const kda_u32 vb = blockIdx.x % VB, rest = blockIdx.x / VB;
     const kda_u32 pi = rest / p.hv, hv = rest - pi * p.hv;
     const kda_u32* pc = reinterpret_cast<const kda_u32*>(c.pieces) + 4 * (size_t)pi;
     const kda_u32 c0 = pc[0], nch = pc[1], seq = pc[2], flags = pc[3];
     const kda_u32 slot = reinterpret_cast<const kda_u32*>(p.slots)[seq];
-    const int v0 = (int)vb * BV, nv = V - v0 < BV ? V - v0 : BV; // the CTA's columns that exist
+    const int v0 = (int)vb * NB, nv = V - v0 < NB ? V - v0 : NB; // the CTA's columns that exist
     ST* head = state_head(p, slot, hv);
     float* carry = reinterpret_cast<float*>(c.carry) + (size_t)hv * K * V;
 
@@ -646,7 +659,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
             if (group == 1) {
                 copy_rows<BT, K, CK, STATE_THREADS>(tW, reinterpret_cast<const float*>(c.w) + kb, K);
                 const float* U = reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-                copy_rows<BT, BV, BV, STATE_THREADS>(tU, U + v0, V, nv); // V % 8 == 0: whole 16-byte pieces
+                copy_rows<BT, NB, NB, STATE_THREADS>(tU, U + v0, V, nv); // V % 8 == 0: whole 16-byte pieces
             } else {
                 copy_rows<BT, K, CK, STATE_THREADS>(tK, reinterpret_cast<const float*>(c.kg) + kb, K);
                 copy_rows<1, K, K, STATE_THREADS>(tG, reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K), K);
@@ -657,17 +670,20 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
     issue(1, c0);
     issue(2, c0);
 
-    for (int e = tid; e < K * BV; e += STATE_THREADS) {
-        const int k = e / BV, cc = e - k * BV, v = v0 + cc;
+    for (int e = tid; e < K * NB; e += STATE_THREADS) {
+        const int k = e / NB, cc = e - k * NB, v = v0 + cc;
         float x = 0.0f;
         if (v < V) x = (flags & KDA_PIECE_FROM_SLOT) ? kda_load(head[state_off(k, v)]) : carry[(size_t)k * V + v];
         sS[k * SS + cc] = x;
     }
     __syncthreads();
-    if ((flags & KDA_PIECE_FROM_SLOT) && p.ring_len > 0) fold_pending(p, slot, hv, v0, sS, vb == 0 && hv == 0);
+    if ((flags & KDA_PIECE_FROM_SLOT) && p.ring_len > 0) fold_pending<NB>(p, slot, hv, v0, sS, vb == 0 && hv == 0);
 
-    constexpr int RW = BT / 16;                           // warps over a chunk's rows
-    const int r0 = 16 * (warp % RW), cb = 16 * (warp / RW); // the warp's first chunk row and column
+    constexpr int RW = BT / 16;                // warps over a chunk's rows (phase A)
+    constexpr int NTA = NB / 16;               // phase A's tiles of 8 columns per warp
+    constexpr int CG = STATE_THREADS / 32 / (NB / 16); // phase C: warps per 16 columns
+    const int r0 = 16 * (warp % RW), ca = (NB / 2) * (warp / RW); // phase A: first row, column
+    const int mc = 16 * (warp % CG), cc0 = 16 * (warp / CG);     // phase C: first key row, column
     for (kda_u32 ch = c0; ch < c0 + nch; ++ch) {
         // in flight: groups 1 and 2 of ch; the barrier also orders the previous phase C's state
         cp_async_wait<1>();
@@ -676,9 +692,9 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         // the state at the chunk's start, for kda_chunk_out
         float* hs = reinterpret_cast<float*>(c.hs) + chunk_block(p, ch, hv, (size_t)K * V) + v0;
         {
-            constexpr int KSTEP = STATE_THREADS / (BV / 4); // the thread's column stays, its rows step
-            static_assert(STATE_THREADS % (BV / 4) == 0, "kda_chunk_state: hs's thread map");
-            const int k0 = tid / (BV / 4), cc = 4 * (tid % (BV / 4));
+            constexpr int KSTEP = STATE_THREADS / (NB / 4); // the thread's column stays, its rows step
+            static_assert(STATE_THREADS % (NB / 4) == 0, "kda_chunk_state: hs's thread map");
+            const int k0 = tid / (NB / 4), cc = 4 * (tid % (NB / 4));
             if (cc < nv) // nv % 8 == 0
 #pragma unroll
                 for (int k = k0; k < K; k += KSTEP)
@@ -686,22 +702,22 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
                         *reinterpret_cast<const float4*>(sS + k * SS + cc);
         }
 
-        // A. v_new = u - w S for the warp's 16 rows and both 8-column tiles, to sN and over u
-        float ws[2][4];
+        // A. v_new = u - w S for the warp's 16 rows and NTA 8-column tiles, to sN and over u
+        float ws[NTA][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) ws[nt][e] = 0.0f;
-        warp_product(ws, tW + r0 * CK, CK, sS + cb, SS, K, g, t4);
+        warp_product<NTA>(ws, tW + r0 * CK, CK, sS + ca, SS, K, g, t4);
         float* U = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0;
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
-                const int i = r0 + g + 8 * h2, cc = cb + 8 * nt + 2 * t4;
+                const int i = r0 + g + 8 * h2, cc = ca + 8 * nt + 2 * t4;
                 const bool on = cc < nv; // nv % 8 == 0: both columns or neither
-                const float n0 = on ? tU[i * BV + cc] - ws[nt][2 * h2] : 0.0f;
-                const float n1 = on ? tU[i * BV + cc + 1] - ws[nt][2 * h2 + 1] : 0.0f;
+                const float n0 = on ? tU[i * NB + cc] - ws[nt][2 * h2] : 0.0f;
+                const float n1 = on ? tU[i * NB + cc + 1] - ws[nt][2 * h2 + 1] : 0.0f;
                 sN[i * SS + cc] = n0;
                 sN[i * SS + cc + 1] = n1;
                 if (on) *reinterpret_cast<float2*>(U + (size_t)i * V + cc) = make_float2(n0, n1);
@@ -711,13 +727,13 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         issue(1, ch + 1); // tW, tU: phase A is done with them
 
         // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, 16 key rows per warp at a time
-        for (int m0 = r0; m0 < K; m0 += 16 * RW) {
+        for (int m0 = mc; m0 < K; m0 += 16 * CG) {
             float acc[2][4];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int k = m0 + g + 8 * (e >> 1), cc = cb + 8 * nt + 2 * t4 + (e & 1);
+                    const int k = m0 + g + 8 * (e >> 1), cc = cc0 + 8 * nt + 2 * t4 + (e & 1);
                     acc[nt][e] = tG[k] * sS[k * SS + cc];
                 }
             // (warp_product's loop with a transposed A, in place of this one, measured up to 2.5%
@@ -731,8 +747,8 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt) {
                     kda_u32 bh0, bl0, bh1, bl1;
-                    tf32_split_fast(sN[(i0 + t4) * SS + cb + 8 * nt + g], bh0, bl0);
-                    tf32_split_fast(sN[(i0 + t4 + 4) * SS + cb + 8 * nt + g], bh1, bl1);
+                    tf32_split_fast(sN[(i0 + t4) * SS + cc0 + 8 * nt + g], bh0, bl0);
+                    tf32_split_fast(sN[(i0 + t4 + 4) * SS + cc0 + 8 * nt + g], bh1, bl1);
                     mma_3xtf32_apart(acc[nt], s1[nt], s2[nt], ah, al, bh0, bh1, bl0, bl1);
                 }
             }
@@ -745,7 +761,7 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int k = m0 + g + 8 * (e >> 1), cc = cb + 8 * nt + 2 * t4 + (e & 1);
+                    const int k = m0 + g + 8 * (e >> 1), cc = cc0 + 8 * nt + 2 * t4 + (e & 1);
                     sS[k * SS + cc] = acc[nt][e];
                 }
         }
@@ -760,19 +776,32 @@ extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state
         const kda_u32 sr_base =
             p.sr ? kda_sr_base(((kda_u64)p.seed_hi << 32) | p.seed_lo, p.layer, slot, call_epoch(p)) : 0u;
         const kda_u32 elem0 = hv * (kda_u32)(K * V);
-        for (int e = tid; e < K * BV; e += STATE_THREADS) {
-            const int k = e / BV, cc = e - k * BV, v = v0 + cc;
+        for (int e = tid; e < K * NB; e += STATE_THREADS) {
+            const int k = e / NB, cc = e - k * NB, v = v0 + cc;
             if (v >= V) continue;
             const kda_u32 off = state_off(k, v);
             const float x = sS[k * SS + cc];
             head[off] = p.sr ? round_elem<true>(x, sr_base, elem0 + off) : round_elem<false>(x, sr_base, elem0 + off);
         }
     } else {
-        for (int e = tid; e < K * BV; e += STATE_THREADS) {
-            const int k = e / BV, cc = e - k * BV, v = v0 + cc;
+        for (int e = tid; e < K * NB; e += STATE_THREADS) {
+            const int k = e / NB, cc = e - k * NB, v = v0 + cc;
             if (v < V) carry[(size_t)k * V + v] = sS[k * SS + cc];
         }
     }
+}
+
+// The state pass in BV (32) value columns per CTA, and in BVN (16) for calls whose wider CTAs
+// would not fill the multiprocessors (chunk_plan.rs's state_columns: a chain's chunk takes
+// about as long as its CTA's work, not its latency, so half the columns run a chunk faster
+// where each CTA has a multiprocessor to itself).
+extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state(const KdaParams p,
+                                                                                const KdaChunkParams c) {
+    kda_chunk_state_cols<kda::BV>(p, c);
+}
+extern "C" __global__ void __launch_bounds__(kda::STATE_THREADS) kda_chunk_state_narrow(const KdaParams p,
+                                                                                       const KdaChunkParams c) {
+    kda_chunk_state_cols<kda::BVN>(p, c);
 }
 
 // One CTA per (chunk of the window, value head, OBV value columns): blockIdx.x = (chunk * HV +

@@ -215,12 +215,15 @@ __device__ __forceinline__ void tf32_split(float x, kda_u32& hi, kda_u32& lo) {
     hi = tf32_of(x);
     lo = tf32_of(x - __uint_as_float(hi));
 }
-// The same with the rest left as it is: mma.sync reads a tf32 operand's top 19 bits, so the
-// rest counts truncated, an error of at most 2^-21 |x| where rounding it gives 2^-22 |x|, at
-// three instructions instead of five (the chunked prefill's products: sixtieth session).
+// The same in two instructions: mma.sync reads a tf32 operand's top 19 bits, so x itself is
+// its truncation's hi part, and the rest x - trunc(x) (exact in f32) counts truncated too. The
+// dropped terms (the rests' truncations and their product) come to at most about 3 x 2^-20 of
+// |a b| per product term, where rounding hi (five instructions) gave about 2^-21: the chunked
+// prefill's products (1-3% faster, errors against the f64 recurrence about 1.5x larger, still
+// near 1e-6: sixty-first session).
 __device__ __forceinline__ void tf32_split_fast(float x, kda_u32& hi, kda_u32& lo) {
-    hi = tf32_of(x);
-    lo = __float_as_uint(x - __uint_as_float(hi));
+    hi = __float_as_uint(x);
+    lo = __float_as_uint(x - __uint_as_float(hi & 0xffffe000u));
 }
 
 // c += a b for one m16n8k8 tile (row-major A fragment a, column-major B fragment b0, b1, f32

@@ -133,6 +133,11 @@ pub struct Args {
     /// the --warps (comma-separated, 2 or 3; tuning).
     #[arg(long)]
     pub stages: Option<String>,
+    /// Also time the chunked prefill with its state pass in these value columns per CTA
+    /// (`prefill-chunked-cN` rows; comma-separated, 16 or 32; by default each window's shape
+    /// chooses; tuning).
+    #[arg(long)]
+    pub chunk_columns: Option<String>,
     /// Which operations launch as programmatic dependent launches: default (the backend's
     /// choice: decode and small spec_verify calls), all or none (A/B in one binary).
     #[arg(long, default_value = "default")]
@@ -672,6 +677,15 @@ pub fn run(args: Args) -> Result<(), CliError> {
         )?,
         None => vec![],
     };
+    let chunk_columns = match &args.chunk_columns {
+        Some(c) => list(
+            "chunk-columns",
+            c,
+            |x| x.parse::<usize>().ok().filter(|v| [16, 32].contains(v)),
+            "16 or 32",
+        )?,
+        None => vec![],
+    };
     let dependent_launch = match args.dependent_launch.as_str() {
         "default" => None,
         "all" => Some(true),
@@ -845,22 +859,26 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 let (sb, sets) = (s.state_bytes(), s.batches.len());
                                 // the default (the choice by the call's shape), the token
                                 // loop, each of --warps (warps per CTA) token by token, then
-                                // the chunked kernels
+                                // the chunked kernels, and with each of --chunk-columns
                                 let steps = Some(PrefillKernel::Steps);
                                 let mut rows = vec![
-                                    ("prefill".to_string(), None, None),
-                                    ("prefill-steps".to_string(), None, steps),
+                                    ("prefill".to_string(), None, None, None),
+                                    ("prefill-steps".to_string(), None, steps, None),
                                 ];
                                 rows.extend(
                                     warps
                                         .iter()
-                                        .map(|&w| (format!("prefill-w{w}"), Some(w), steps)),
+                                        .map(|&w| (format!("prefill-w{w}"), Some(w), steps, None)),
                                 );
                                 let chunked = Some(PrefillKernel::Chunked);
-                                rows.push(("prefill-chunked".to_string(), None, chunked));
-                                for (op, w, pk) in rows {
+                                rows.push(("prefill-chunked".to_string(), None, chunked, None));
+                                rows.extend(chunk_columns.iter().map(|&c| {
+                                    (format!("prefill-chunked-c{c}"), None, chunked, Some(c))
+                                }));
+                                for (op, w, pk, cols) in rows {
                                     be.set_eager_warps(w).map_err(kerr)?;
                                     be.set_prefill_kernel(pk).map_err(kerr)?;
+                                    be.set_chunk_state_columns(cols).map_err(kerr)?;
                                     // the chunked kernels' tables and scratch made before the
                                     // graph's capture (where the row's choice takes them)
                                     for set in 0..s.batches.len() {
@@ -875,6 +893,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                                 }
                                 be.set_eager_warps(None).map_err(kerr)?;
                                 be.set_prefill_kernel(None).map_err(kerr)?;
+                                be.set_chunk_state_columns(None).map_err(kerr)?;
                             }
                         }
                         Kind::Spec => {

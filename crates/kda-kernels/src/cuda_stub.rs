@@ -210,6 +210,10 @@ impl CudaBackend {
     pub fn set_prefill_kernel(&self, _kernel: Option<PrefillKernel>) -> Result<()> {
         match *self {}
     }
+    /// Fixes the chunked prefill's state-pass value columns per CTA (16 or 32).
+    pub fn set_chunk_state_columns(&self, _columns: Option<usize>) -> Result<()> {
+        match *self {}
+    }
     /// Bounds the chunked prefill's scratch, bytes.
     pub fn set_prefill_scratch_bytes(&self, _bytes: usize) -> Result<()> {
         match *self {}

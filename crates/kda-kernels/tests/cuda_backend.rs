@@ -1569,32 +1569,47 @@ fn cuda_prefill_after_pending_ring_entries_rounds_a_two_byte_state_once() {
 }
 
 #[test]
-fn cuda_chunked_prefill_in_windows_of_one_chunk_gives_the_bits_of_one_window() {
+fn cuda_chunked_prefill_in_windows_of_one_chunk_or_16_columns_gives_the_bits_of_one_window() {
     // A scratch budget of one chunk per window: every sequence longer than a chunk goes from
     // window to window through the f32 carry, which must change no bit of the outputs and
-    // states (ring pools: their pending entries folded first).
+    // states (ring pools: their pending entries folded first). Nor may the state pass in 16
+    // value columns per CTA (`kda_chunk_state_narrow`) instead of 32: each element's sums run
+    // in the same order (V = 40: a last block of 8 columns in both).
     let Some(cu) = cuda() else { return };
     cu.set_prefill_kernel(Some(PrefillKernel::Chunked))
         .expect("prefill kernel");
+    let e = cu
+        .set_chunk_state_columns(Some(24))
+        .expect_err("24 columns");
+    assert!(
+        matches!(e, KernelError::InvalidArgument { arg: "columns", .. })
+            && e.to_string().contains("24"),
+        "{e}"
+    );
     let mem = cu.memory();
-    for (state, ring_len, layout) in [
-        (Dtype::Fp32, 0, StateLayout::KFirst),
-        (Dtype::Bf16, 3, StateLayout::VFirst),
-        (Dtype::Fp16, 0, StateLayout::KFirst),
+    for (state, ring_len, layout, v) in [
+        (Dtype::Fp32, 0, StateLayout::KFirst, 48),
+        (Dtype::Bf16, 3, StateLayout::VFirst, 48),
+        (Dtype::Fp16, 0, StateLayout::KFirst, 48),
+        (Dtype::Fp32, 2, StateLayout::KFirst, 40),
     ] {
         let c = prefill_case(
-            case(2, 4, 32, 48, state, Dtype::Fp32, layout, ring_len),
+            case(2, 4, 32, v, state, Dtype::Fp32, layout, ring_len),
             &[150, 0, 37, 64, 1],
         );
-        let mut rng = StdRng::seed_from_u64(350 + ring_len as u64);
-        let (mut whole, mut windowed) = twin_layers(&cu, &c, &c, &mut rng);
+        let mut rng = StdRng::seed_from_u64(350 + ring_len as u64 + v as u64);
+        let init = initial_states(&c, &mut rng);
+        // one window in 32 columns, windows of one chunk, one window in 16 columns
+        let mut layers: Vec<_> = (0..3)
+            .map(|_| layer_with_states(&cu, &c, &init, &mut rng))
+            .collect();
         let n = c.slots.len();
         let params = HostInputs::random(&mut rng, c.dims(), 0, &c.opts, c.input_dtype);
         let ones: Vec<usize> = (0..=n).collect();
         for _ in 0..ring_len.min(2) {
             let inp = HostInputs::random(&mut rng, c.dims(), n, &c.opts, c.input_dtype)
                 .with_gate_params(&params.a_log, &params.dt_bias);
-            for layer in [&mut whole, &mut windowed] {
+            for layer in &mut layers {
                 run_tokens(&cu, layer, TokenOp::Decode, &ones, &c.slots, &inp, &c.opts)
                     .expect("ring decode");
             }
@@ -1603,8 +1618,12 @@ fn cuda_chunked_prefill_in_windows_of_one_chunk_gives_the_bits_of_one_window() {
             .with_gate_params(&params.a_log, &params.dt_bias);
         let bounds = c.bounds();
         let mut outs = Vec::new();
-        for (budget, layer) in [(512 << 20, &mut whole), (1, &mut windowed)] {
+        for ((budget, columns), layer) in [(512 << 20, 32), (1, 32), (512 << 20, 16)]
+            .into_iter()
+            .zip(&mut layers)
+        {
             cu.set_prefill_scratch_bytes(budget).expect("budget");
+            cu.set_chunk_state_columns(Some(columns)).expect("columns");
             outs.push(
                 run_tokens(
                     &cu,
@@ -1618,11 +1637,16 @@ fn cuda_chunked_prefill_in_windows_of_one_chunk_gives_the_bits_of_one_window() {
                 .expect("prefill"),
             );
         }
-        let what = format!("{state} {layout:?} ring {ring_len}");
-        assert_bits_eq(&outs[1], &outs[0], &format!("{what}: outputs"));
-        let a = whole.read_states(mem, &c.slots).expect("read");
-        let b = windowed.read_states(mem, &c.slots).expect("read");
-        assert_bits_eq(&b, &a, &format!("{what}: states"));
+        cu.set_chunk_state_columns(None).expect("columns");
+        let states: Vec<_> = layers
+            .iter()
+            .map(|l| l.read_states(mem, &c.slots).expect("read"))
+            .collect();
+        for (i, how) in [(1, "windows of one chunk"), (2, "16 columns")] {
+            let what = format!("{state} {layout:?} ring {ring_len} V {v}, {how}");
+            assert_bits_eq(&outs[i], &outs[0], &format!("{what}: outputs"));
+            assert_bits_eq(&states[i], &states[0], &format!("{what}: states"));
+        }
     }
 }
 

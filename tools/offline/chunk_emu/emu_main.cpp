@@ -176,9 +176,10 @@ static void run_steps(Problem& pb, const std::vector<u32>& bounds32) {
 }
 
 // The backend's chunked prefill: per window kda_chunk_prep over its chunks, kda_chunk_state
-// over its pieces (which folds a ring's pending entries first) and kda_chunk_out over its
-// chunks, on poisoned scratch; with a ring then kda_chunk_ring_reset.
-static void run_chunked(Problem& pb, size_t max_chunks) {
+// (or, `narrow`, kda_chunk_state_narrow) over its pieces (which folds a ring's pending entries
+// first) and kda_chunk_out over its chunks, on poisoned scratch; with a ring then
+// kda_chunk_ring_reset.
+static void run_chunked(Problem& pb, size_t max_chunks, bool narrow = false) {
     std::vector<u32> bounds32(pb.bounds.begin(), pb.bounds.end());
     const KdaParams p = params_of(pb, bounds32);
     const auto wins = windows(pb.bounds, max_chunks, pb.ring_len > 0);
@@ -206,9 +207,13 @@ static void run_chunked(Problem& pb, size_t max_chunks) {
         c.carry = (kda_u64)carry.data();
         auto fresh_smem = [] { std::fill(std::begin(csm), std::end(csm), NAN); };
         emu_launch((u32)(win.chunks.size() * pb.hv), kda::PREP_THREADS, [&] { kda_chunk_prep(p, c); }, fresh_smem);
-        constexpr u32 VB = (V + kda::BV - 1) / kda::BV;
-        emu_launch((u32)(win.pieces.size() * pb.hv) * VB, kda::STATE_THREADS, [&] { kda_chunk_state(p, c); },
-                   fresh_smem);
+        const u32 bv = narrow ? kda::BVN : kda::BV, vb = (V + bv - 1) / bv;
+        emu_launch((u32)(win.pieces.size() * pb.hv) * vb, kda::STATE_THREADS, [&] {
+            if (narrow)
+                kda_chunk_state_narrow(p, c);
+            else
+                kda_chunk_state(p, c);
+        }, fresh_smem);
         constexpr u32 OVB = (V + kda::OBV - 1) / kda::OBV;
         emu_launch((u32)(win.chunks.size() * pb.hv) * OVB, kda::OUT_THREADS, [&] { kda_chunk_out(p, c); },
                    fresh_smem);
@@ -353,9 +358,10 @@ int main() {
         const Problem fresh = make_problem(77 + ring_len, ring_len);
         std::vector<double> ref_out, ref_states;
         reference(fresh, ref_out, ref_states);
-        Problem whole = fresh, windowed = fresh, steps = fresh;
+        Problem whole = fresh, windowed = fresh, steps = fresh, narrow = fresh;
         run_chunked(whole, 1 << 20);
         run_chunked(windowed, 1);
+        run_chunked(narrow, 1 << 20, true);
         run_steps(steps, std::vector<u32>(steps.bounds.begin(), steps.bounds.end()));
         fails += check("chunked", whole, fresh, ref_out, ref_states, tol_out, tol_state);
         fails += check("token by token (kda_step)", steps, fresh, ref_out, ref_states, tol_out, tol_state);
@@ -364,6 +370,11 @@ int main() {
         std::printf("chunked in windows of one chunk: outputs %s, states %s\n", same_out ? "same bits" : "DIFFERENT",
                     same_ssm ? "same bits" : "DIFFERENT");
         fails += !same_out || !same_ssm;
+        const bool n_out = std::memcmp(whole.out.data(), narrow.out.data(), whole.out.size() * sizeof(IT)) == 0;
+        const bool n_ssm = std::memcmp(whole.ssm.data(), narrow.ssm.data(), whole.ssm.size() * sizeof(ST)) == 0;
+        std::printf("chunked in %d columns per state CTA: outputs %s, states %s\n", kda::BVN,
+                    n_out ? "same bits" : "DIFFERENT", n_ssm ? "same bits" : "DIFFERENT");
+        fails += !n_out || !n_ssm;
         const bool err_clean = steps.err[0] == 0 && whole.err[0] == 0;
         if (!err_clean) std::printf("error word set: %u %u\n", steps.err[0], whole.err[0]);
         fails += !err_clean;

@@ -24,9 +24,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::chunk_plan::{
-    chunk_supported, max_chunks, out_smem, out_vblocks, prefer_chunked, prep_smem, state_smem,
-    vblocks, windows, ChunkParams, ScratchLayout, DEFAULT_SCRATCH_BYTES, OUT_THREADS, PREP_THREADS,
-    STATE_THREADS,
+    chunk_supported, max_chunks, out_smem, out_vblocks, prefer_chunked, prep_smem, state_columns,
+    state_smem, vblocks, windows, ChunkParams, ScratchLayout, BV, BV_NARROW, DEFAULT_SCRATCH_BYTES,
+    OUT_THREADS, PREP_THREADS, STATE_THREADS,
 };
 use super::eager_plan::{eager_plan, EagerPlan, EagerShape, PIPE_THREADS, STREAM_CTAS_PER_SM};
 use super::kernel::Kernel;
@@ -143,6 +143,9 @@ pub struct CudaBackend {
     dependent_launch: Mutex<Option<bool>>,
     /// The prefill kernel asked for (`None`: `PrefillKernel::ByShape`).
     prefill_kernel: Mutex<Option<PrefillKernel>>,
+    /// The chunked state pass's value columns per CTA asked for (`None`: by the window's shape,
+    /// `chunk_plan::state_columns`).
+    chunk_columns: Mutex<Option<usize>>,
     /// The chunked prefill's scratch (grown on demand, kept) and its budget, bytes.
     chunk_scratch: Mutex<(Option<CudaBuffer>, usize)>,
     /// Whether the device has programmatic dependent launch (sm_90 and later; the kernels'
@@ -275,6 +278,7 @@ impl CudaBackend {
             ring_kernel: Mutex::new(None),
             dependent_launch: Mutex::new(None),
             prefill_kernel: Mutex::new(None),
+            chunk_columns: Mutex::new(None),
             chunk_scratch: Mutex::new((None, DEFAULT_SCRATCH_BYTES)),
             has_dependent_launch: arch.major >= 9,
             has_bulk_copies: arch.major >= 9,
@@ -369,6 +373,23 @@ impl CudaBackend {
     /// else `kda_step`.
     pub fn set_prefill_kernel(&self, kernel: Option<PrefillKernel>) -> Result<()> {
         *self.prefill_kernel.lock() = kernel;
+        Ok(())
+    }
+
+    /// Fixes the value columns per CTA of the chunked prefill's state pass (`kda_chunk_state`:
+    /// 32; `kda_chunk_state_narrow`: 16), or lets each window's shape choose (`None`, the
+    /// default: 16 where the 32-column CTAs would not fill the multiprocessors, as for one long
+    /// sequence). Both give the same bits; a tuning and testing knob.
+    pub fn set_chunk_state_columns(&self, columns: Option<usize>) -> Result<()> {
+        if let Some(c) = columns {
+            if c != BV && c != BV_NARROW {
+                return Err(KernelError::arg(
+                    "columns",
+                    format!("is {c}; expected {} or {}", BV_NARROW, BV),
+                ));
+            }
+        }
+        *self.chunk_columns.lock() = columns;
         Ok(())
     }
 
@@ -612,10 +633,10 @@ impl CudaBackend {
         }
         let input = call.inputs.map_or(g.ring_dtype, |i| i.q.dtype);
         let kernels = chunk_kernels(&self.ctx, StepKey::of(g, input, BatchKind::Plain))?;
-        let (prep_bytes, step_bytes, out_bytes) = (prep_smem(k, v), state_smem(k), out_smem(k));
+        let (prep_bytes, out_bytes) = (prep_smem(k, v), out_smem(k));
         kernels.prep.opt_in_smem(prep_bytes)?;
-        kernels.state.opt_in_smem(step_bytes)?;
         kernels.out.opt_in_smem(out_bytes)?;
+        let columns = *self.chunk_columns.lock();
         let lay = ScratchLayout::new(t.most, hv, k, v);
         if scratch.0.as_ref().is_none_or(|b| b.len() < 4 * lay.floats) {
             scratch.0 = None; // freed (stream-ordered) before the larger one is allocated
@@ -629,6 +650,14 @@ impl CudaBackend {
         let err = self.err.lock();
         let params = self.call_params(call, layer, n, epoch, &err);
         for (chunks, pieces, n_chunks, n_pieces) in &t.windows {
+            let bv =
+                columns.unwrap_or_else(|| state_columns(*n_pieces, hv, v, self.num_sms as usize));
+            let (state, state_bytes) = if bv == BV {
+                (&kernels.state, state_smem(k, BV))
+            } else {
+                (&kernels.state_narrow, state_smem(k, BV_NARROW))
+            };
+            state.opt_in_smem(state_bytes)?;
             let cp = ChunkParams {
                 chunks: chunks.device_ptr(s),
                 pieces: pieces.device_ptr(s),
@@ -644,10 +673,10 @@ impl CudaBackend {
             for (kernel, ctas, threads, smem) in [
                 (&kernels.prep, n_chunks * hv, PREP_THREADS, prep_bytes),
                 (
-                    &kernels.state,
-                    n_pieces * hv * vblocks(v),
+                    state,
+                    n_pieces * hv * vblocks(v, bv),
                     STATE_THREADS,
-                    step_bytes,
+                    state_bytes,
                 ),
                 (
                     &kernels.out,

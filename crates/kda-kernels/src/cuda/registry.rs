@@ -94,6 +94,7 @@ enum Key {
     RingDeltaStaged(StepKey),
     ChunkPrep(StepKey),
     ChunkState(StepKey),
+    ChunkStateNarrow(StepKey),
     ChunkOut(StepKey),
     ChunkRingReset(StepKey),
     Fill,
@@ -121,6 +122,7 @@ impl Key {
             Key::RingDeltaStaged(_) => "kda_ring_delta_staged",
             Key::ChunkPrep(_) => "kda_chunk_prep",
             Key::ChunkState(_) => "kda_chunk_state",
+            Key::ChunkStateNarrow(_) => "kda_chunk_state_narrow",
             Key::ChunkOut(_) => "kda_chunk_out",
             Key::ChunkRingReset(_) => "kda_chunk_ring_reset",
             Key::Fill => "kda_fill",
@@ -148,6 +150,7 @@ impl Key {
             | Key::RingDeltaStaged(k)
             | Key::ChunkPrep(k)
             | Key::ChunkState(k)
+            | Key::ChunkStateNarrow(k)
             | Key::ChunkOut(k)
             | Key::ChunkRingReset(k) => ModuleKey::Step(k),
             Key::Fill | Key::Copy => ModuleKey::Fill,
@@ -164,7 +167,7 @@ enum ModuleKey {
 }
 
 /// The kernels one `kda_step` module holds (all compiled together).
-fn step_module(k: StepKey) -> [Key; 19] {
+fn step_module(k: StepKey) -> [Key; 20] {
     [
         Key::Step(k),
         Key::Eager(k),
@@ -183,6 +186,7 @@ fn step_module(k: StepKey) -> [Key; 19] {
         Key::RingDeltaStaged(k),
         Key::ChunkPrep(k),
         Key::ChunkState(k),
+        Key::ChunkStateNarrow(k),
         Key::ChunkOut(k),
         Key::ChunkRingReset(k),
     ]
@@ -515,6 +519,8 @@ pub(crate) struct ChunkKernels {
     pub prep: Kernel,
     /// `kda_chunk_state`.
     pub state: Kernel,
+    /// `kda_chunk_state_narrow`.
+    pub state_narrow: Kernel,
     /// `kda_chunk_out`.
     pub out: Kernel,
     /// `kda_chunk_ring_reset`.
@@ -526,6 +532,7 @@ pub(crate) fn chunk_kernels(ctx: &Arc<CudaContext>, key: StepKey) -> Result<Chun
     Ok(ChunkKernels {
         prep: get(ctx, Key::ChunkPrep(key))?,
         state: get(ctx, Key::ChunkState(key))?,
+        state_narrow: get(ctx, Key::ChunkStateNarrow(key))?,
         out: get(ctx, Key::ChunkOut(key))?,
         ring_reset: get(ctx, Key::ChunkRingReset(key))?,
     })
@@ -640,12 +647,12 @@ mod tests {
         Some(compile_cubin(src, name, &options))
     }
 
-    /// The three words between `kda_chunk_smem_bytes`' markers in a CUBIN's initialised data.
-    fn chunk_smem_words(cubin: &[u8]) -> Option<[u32; 3]> {
+    /// The four words between `kda_chunk_smem_bytes`' markers in a CUBIN's initialised data.
+    fn chunk_smem_words(cubin: &[u8]) -> Option<[u32; 4]> {
         let word = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("four bytes"));
-        cubin.windows(20).find_map(|w| {
-            (word(&w[..4]) == 0x4b44_4153 && word(&w[16..]) == 0x534d_454d)
-                .then(|| [word(&w[4..8]), word(&w[8..12]), word(&w[12..16])])
+        cubin.windows(24).find_map(|w| {
+            (word(&w[..4]) == 0x4b44_4153 && word(&w[20..]) == 0x534d_454d)
+                .then(|| [1, 2, 3, 4].map(|i| word(&w[4 * i..4 * i + 4])))
         })
     }
 
@@ -693,6 +700,7 @@ mod tests {
                 "kda_ring_delta_staged",
                 "kda_chunk_prep",
                 "kda_chunk_state",
+                "kda_chunk_state_narrow",
                 "kda_chunk_out",
                 "kda_chunk_ring_reset"
             ]
@@ -867,7 +875,8 @@ mod tests {
                 words,
                 [
                     chunk_plan::prep_smem(key.k, key.v) as u32,
-                    chunk_plan::state_smem(key.k) as u32,
+                    chunk_plan::state_smem(key.k, chunk_plan::BV) as u32,
+                    chunk_plan::state_smem(key.k, chunk_plan::BV_NARROW) as u32,
                     chunk_plan::out_smem(key.k) as u32
                 ],
                 "{key:?}: kda_chunk.cu's shared memory against chunk_plan.rs's"
