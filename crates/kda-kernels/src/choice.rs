@@ -83,18 +83,19 @@ pub enum RingKernel {
 /// The prefill kernels of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillKernel {
-    /// `kda_step`: every token of a sequence after the other, decode's token step (many
-    /// short sequences: 32 x 256 tokens at 32 heads ran 1.2x faster than chunked on an H100).
+    /// `kda_step`: every token of a sequence after the other, decode's token step (sequences
+    /// of a few tokens; 32 x 256 tokens at 32 heads ran as fast as chunked on an H100).
     Steps,
-    /// `kda_chunk_prep`, `kda_chunk_state` and `kda_chunk_out` (spec section 3): chunks of 64
-    /// tokens prepared all at once, the state carried from chunk to chunk, then the outputs of
-    /// all chunks at once. Plain batches of heads with
+    /// `kda_chunk_prep`, `kda_chunk_state` (or `kda_chunk_state_narrow`) and `kda_chunk_out`
+    /// (spec section 3): chunks of 64 tokens prepared all at once, the state carried from
+    /// chunk to chunk, then the outputs of all chunks at once. Plain batches of heads with
     /// `K % 16 == 0` and `V % 8 == 0` whose preparation fits shared memory (K = V = 128 does);
     /// other calls run `Steps`. Not the bits of `Steps` (fp32 states within about 1e-6,
     /// 2-byte ones within one rounding step of them).
     Chunked,
-    /// `Chunked` where a cost model of the call's shape expects it faster than `Steps` (a few
-    /// long sequences: one sequence of 256 tokens or more ran 3-10x faster chunked on an H100,
-    /// 32 sequences of 256 at 32 heads 1.2x slower), else `Steps`. The default.
+    /// `Chunked` where a cost model of the call's shape expects it faster than `Steps` (one
+    /// sequence of 256 tokens or more ran 3-15x faster chunked on an H100, 8 of 4096 at 32
+    /// heads 1.07x, 32 of 256 at 32 heads as fast either way; sequences of a few tokens stay
+    /// on `Steps`), else `Steps`. The default.
     ByShape,
 }

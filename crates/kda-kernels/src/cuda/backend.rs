@@ -596,9 +596,12 @@ impl CudaBackend {
             && chunk_supported(g.k, g.v, self.smem_optin)
             && match *self.prefill_kernel.lock() {
                 Some(PrefillKernel::Chunked) => true,
-                Some(PrefillKernel::ByShape) | None => {
-                    prefer_chunked(&call.batch.plans.as_ref().bounds, g.hv)
-                }
+                Some(PrefillKernel::ByShape) | None => prefer_chunked(
+                    &call.batch.plans.as_ref().bounds,
+                    g.hv,
+                    g.v,
+                    self.num_sms as usize,
+                ),
                 Some(PrefillKernel::Steps) => false,
             }
     }

@@ -217,30 +217,33 @@ pub(crate) fn max_chunks(budget_bytes: usize, hv: usize, k: usize, v: usize) -> 
     (budget_bytes / (4 * hv.max(1) * block_floats(k, v))).max(1)
 }
 
-/// Whether the chunked kernels are expected to prefill a call of `hv` value heads over the
-/// sequences of `bounds` faster than `kda_step`'s token loop ([`crate::PrefillKernel::ByShape`],
-/// the default). A cost model fitted to the sixtieth session's rows (its seventh call, an H100;
-/// docs/performance.md; K = V = 128, fp32 pools): the token loop costs its longest sequence's
-/// tokens times a step that grows with the (sequence, head) pairs run side by side, one more
-/// step per wave of [`PAIRS_PER_WAVE`] pairs (32 x 256 at 12 heads, 384 pairs, steps twice as
-/// long as 8 x 4096, 96 pairs); the chunked kernels cost a fixed part, the preparation of every
+/// Whether the chunked kernels are expected to prefill a call of `hv` value heads of width `v`
+/// over the sequences of `bounds` faster than `kda_step`'s token loop on a device of `sms`
+/// multiprocessors ([`crate::PrefillKernel::ByShape`], the default). A cost model fitted to
+/// the sixty-first session's rows (its second call, an H100; docs/performance.md; K = V = 128):
+/// the token loop costs its longest sequence's tokens times a step that grows with the
+/// (sequence, head) pairs run side by side, one more step per wave of [`PAIRS_PER_WAVE`] pairs
+/// (32 x 256 at 12 heads, 384 pairs, steps twice as long as 8 x 4096, 96 pairs: sixtieth
+/// session); the chunked kernels cost a fixed part, the preparation and outputs of every
 /// (chunk, head) block, and the state pass: the longer of its chain (the longest sequence's
-/// chunks, one after another) and its throughput over every block. Within 7% of every chunked
-/// row and 20% of every token-loop row, it picks the faster kernel in each: chunked for one
-/// sequence of 256 tokens or more (3-10x faster), for 32 x 256 at 12 heads (1.2x) and 8 x
-/// 4096 at 12 heads (2x); the token loop for 32 x 256 and 8 x 4096 at 32 heads, where the two
-/// are within 3.5% (the ninth call's preparation, 5% faster, makes chunked the faster there at
-/// 8 x 4096: 7625 against 7900 us).
-pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
+/// chunks, one after another, each shorter where the pass runs narrow: [`state_columns`]) and
+/// its throughput over every block. Within 6.5% of every chunked row, it picks chunked for
+/// every row measured: one sequence of 256 tokens or more (3-15x faster), 32 x 256 and 8 x 4096
+/// at 12 heads (1.3x and 2.3x) and at 32 heads (8 x 4096 1.07x; 32 x 256 a tie, 0.3%); the
+/// token loop for sequences of a few tokens (a chunked call costs its three launches and a
+/// chunk's preparation at least).
+pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize, v: usize, sms: usize) -> bool {
     /// The token loop: us per token step, plus per (sequence, head) pair of a wave, per wave.
     const STEP_US: f64 = 1.15;
     const STEP_US_PER_PAIR: f64 = 0.003;
     /// The chunked kernels: fixed us per call; us per (chunk, head) block of the preparation
-    /// and of the state pass; us per chunk of the state pass's chain.
-    const CHUNK_FIXED_US: f64 = 26.0;
-    const PREP_BLOCK_US: f64 = 0.294;
-    const STATE_BLOCK_US: f64 = 0.186;
-    const STATE_CHAIN_US: f64 = 5.68;
+    /// and outputs, and of the state pass; us per chunk of the state pass's chain, in 32 value
+    /// columns per CTA and in 16 (ncu: 2.96 us per chunk at 1 x 2048, 12 heads).
+    const CHUNK_FIXED_US: f64 = 24.0;
+    const PREP_BLOCK_US: f64 = 0.293;
+    const STATE_BLOCK_US: f64 = 0.158;
+    const STATE_CHAIN_US: f64 = 5.0;
+    const STATE_CHAIN_NARROW_US: f64 = 2.96;
     let lens = bounds.windows(2).map(|b| b[1] - b[0]);
     let (n, longest) = (
         bounds.len().saturating_sub(1),
@@ -250,7 +253,12 @@ pub(crate) fn prefer_chunked(bounds: &[usize], hv: usize) -> bool {
     let blocks = (lens.map(|l| l.div_ceil(BT)).sum::<usize>() * hv) as f64;
     let step = STEP_US + STEP_US_PER_PAIR * pairs.min(PAIRS_PER_WAVE) as f64;
     let steps = longest as f64 * step * pairs.div_ceil(PAIRS_PER_WAVE).max(1) as f64;
-    let chain = longest.div_ceil(BT) as f64 * STATE_CHAIN_US;
+    let per_chunk = if state_columns(n, hv, v, sms) == BV_NARROW {
+        STATE_CHAIN_NARROW_US
+    } else {
+        STATE_CHAIN_US
+    };
+    let chain = longest.div_ceil(BT) as f64 * per_chunk;
     let chunked = CHUNK_FIXED_US + blocks * PREP_BLOCK_US + chain.max(blocks * STATE_BLOCK_US);
     chunked < steps
 }
@@ -334,8 +342,9 @@ mod tests {
     #[test]
     fn one_long_sequence_prefills_chunked_and_many_short_ones_token_by_token() {
         let seqs = |n: usize, l: usize| (0..=n).map(|i| i * l).collect::<Vec<_>>();
-        // the sixtieth session's rows: chunked 3-10x faster, or (8 x 4096 at 12 heads) 2x, or
-        // (32 x 256 at 12 heads) 1.2x
+        let chunked = |n: usize, l: usize, hv: usize| prefer_chunked(&seqs(n, l), hv, 128, 132);
+        // the sixty-first session's rows: chunked 3-15x faster, or (8 x 4096 at 12 heads) 2.3x,
+        // (32 x 256 at 12 heads) 1.3x, (8 x 4096 at 32 heads) 1.07x
         for (n, l, hv) in [
             (1, 256, 12),
             (1, 2048, 12),
@@ -345,17 +354,15 @@ mod tests {
             (1, 256, 32),
             (1, 2048, 32),
             (1, 32768, 32),
+            (8, 4096, 32),
         ] {
-            assert!(prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
-        }
-        // the token loop 1.06x faster, or (8 x 4096 at 32 heads) a tie
-        for (n, l, hv) in [(32, 256, 32), (8, 4096, 32)] {
-            assert!(!prefer_chunked(&seqs(n, l), hv), "{n} x {l} at {hv} heads");
+            assert!(chunked(n, l, hv), "{n} x {l} at {hv} heads");
         }
         // a few tokens: the token loop (a chunked call costs its three launches at least)
-        assert!(!prefer_chunked(&seqs(1, 16), 12));
-        assert!(!prefer_chunked(&[0, 0], 12), "no tokens");
-        assert!(!prefer_chunked(&[0], 12), "no sequences");
+        assert!(!chunked(1, 16, 12));
+        assert!(!chunked(256, 16, 12));
+        assert!(!prefer_chunked(&[0, 0], 12, 128, 132), "no tokens");
+        assert!(!prefer_chunked(&[0], 12, 128, 132), "no sequences");
     }
 
     #[test]
