@@ -378,8 +378,9 @@ impl CudaBackend {
 
     /// Fixes the value columns per CTA of the chunked prefill's state pass (`kda_chunk_state`:
     /// 32; `kda_chunk_state_narrow`: 16), or lets each window's shape choose (`None`, the
-    /// default: 16 where the 32-column CTAs would not fill the multiprocessors, as for one long
-    /// sequence). Both give the same bits; a tuning and testing knob.
+    /// default: 16 where those CTAs fit the multiprocessors one each, as for one long sequence
+    /// at 12 heads; `chunk_plan::state_columns`). Both give the same bits; a tuning and testing
+    /// knob.
     pub fn set_chunk_state_columns(&self, columns: Option<usize>) -> Result<()> {
         if let Some(c) = columns {
             if c != BV && c != BV_NARROW {

@@ -97,8 +97,10 @@ pub(crate) fn vblocks(v: usize, bv: usize) -> usize {
 /// takes about as long as its CTA's work on its multiprocessor (sixtieth session: not its
 /// warps' latency), so halving each CTA's columns shortens the chain where multiprocessors
 /// would otherwise idle: one sequence at 12 heads, 1.22-1.29x faster prefills on an H100. Where
-/// two narrow CTAs share an SM (one sequence at 32 heads) they ran 1-3% slower than one wide
-/// one, and where the wide ones fill the SMs 3-8% slower (sixty-first session).
+/// two narrow CTAs share an SM (one sequence of 2048 tokens or more at 32 heads) they ran
+/// 2.3-2.9% slower than one wide one, and where the wide ones fill the SMs 3-6% slower; at the
+/// rule's edge (three or four sequences at 12 heads) the wide pass it takes ran up to 1.9%
+/// slower (sixty-first session).
 pub(crate) fn state_columns(pieces: usize, hv: usize, v: usize, sms: usize) -> usize {
     if pieces * hv * vblocks(v, BV_NARROW) <= sms {
         BV_NARROW
