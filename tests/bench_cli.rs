@@ -47,6 +47,8 @@ fn bad_arguments_are_one_line_and_exit_code_2_before_the_device_is_opened() {
     assert_usage_error(&["--prefill-lens", "2048"], "e.g. 8x4096");
     assert_usage_error(&["--warps", "9"], "1..=8");
     assert_usage_error(&["--stages", "4"], "2 or 3");
+    assert_usage_error(&["--chunk-columns", "16,24"], "--chunk-columns: '24'");
+    assert_usage_error(&["--chunk-columns", "8"], "16 or 32");
     assert_usage_error(&["--forced", "bulk,fast"], "--forced: 'fast'");
     assert_usage_error(
         &["--forced", "some"],
