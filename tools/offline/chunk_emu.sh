@@ -6,8 +6,8 @@
 # tools/offline/chunk_emu/emu_shim.h (a host stand-in for the CUDA names: one thread per CUDA
 # thread, barriers, warp shuffles) and tools/offline/chunk_emu/emu_main.cpp checks both
 # prefills against a float64 token recurrence, on eager pools and on pools with a ring (pending
-# entries folded first, a draft dropped), and windows of one chunk against one window (see
-# there). Variants: every state dtype and
+# entries folded first, a draft dropped), and windows of one chunk and the 16-column state
+# pass against one window in 32 columns (the same bits; see there). Variants: every state dtype and
 # layout, fp32 / bf16 / fp16 inputs, K x V of 32 x 48, 32 x 40 (a last block of half its
 # columns) and 128 x 128, stochastic rounding.
 # Needs g++ 12 (C++20, _Float16); no GPU. A check of what the kernels compute before they run
