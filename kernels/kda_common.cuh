@@ -210,7 +210,8 @@ __device__ __forceinline__ void kda_store_vec(T* p, const T (&v)[N]) {
 // tf32 operands of mma.sync: the value rounded to tf32 (nearest, ties away from zero, in
 // integer arithmetic: cheaper than cvt.rna.tf32, which sm_90 runs as several instructions) and
 // what is left, rounded the same way; x - hi is exact in f32.
-__device__ __forceinline__ kda_u32 tf32_of(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+constexpr kda_u32 TF32_BITS = 0xffffe000u; // the bits of an f32 that mma.sync reads as tf32 (its top 19)
+__device__ __forceinline__ kda_u32 tf32_of(float x) { return (__float_as_uint(x) + 0x1000u) & TF32_BITS; }
 __device__ __forceinline__ void tf32_split(float x, kda_u32& hi, kda_u32& lo) {
     hi = tf32_of(x);
     lo = tf32_of(x - __uint_as_float(hi));
@@ -218,12 +219,12 @@ __device__ __forceinline__ void tf32_split(float x, kda_u32& hi, kda_u32& lo) {
 // The same in two instructions: mma.sync reads a tf32 operand's top 19 bits, so x itself is
 // its truncation's hi part, and the rest x - trunc(x) (exact in f32) counts truncated too. The
 // dropped terms (the rests' truncations and their product) come to at most about 3 x 2^-20 of
-// |a b| per product term, where rounding hi (five instructions) gave about 2^-21: the chunked
+// |a b| per product term, where rounding hi (three instructions) gave about 2^-21: the chunked
 // prefill's products (1-3% faster, errors against the f64 recurrence about 1.5x larger, still
 // near 1e-6: sixty-first session).
 __device__ __forceinline__ void tf32_split_fast(float x, kda_u32& hi, kda_u32& lo) {
     hi = __float_as_uint(x);
-    lo = __float_as_uint(x - __uint_as_float(hi & 0xffffe000u));
+    lo = __float_as_uint(x - __uint_as_float(hi & TF32_BITS));
 }
 
 // c += a b for one m16n8k8 tile (row-major A fragment a, column-major B fragment b0, b1, f32
@@ -240,7 +241,7 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const kda_u32 (&a)[4], k
     // the same product from the same fragments through shuffles (devices without mma.sync),
     // the operands read as tf32 as mma.sync reads them (their low 13 bits ignored)
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    constexpr kda_u32 M = 0xffffe000u;
+    constexpr kda_u32 M = TF32_BITS;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
         const float a_lo = __uint_as_float(KDA_SHFL(kk < 4 ? a[0] : a[2], 4 * g + (kk & 3)) & M);
