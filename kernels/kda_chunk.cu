@@ -50,7 +50,8 @@ constexpr int OSS = OBV + 8;           // smem row stride of its state's and v_n
 constexpr int OUT_THREADS = 256;       // one warp per 16 chunk rows and 32 value columns
 constexpr float LOG2E = 1.4426950408889634f;
 // Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB, sF (step 3's
-// factored rows, then step 5's inverses of the diagonal blocks).
+// factored columns of the diagonal blocks, then its factored rows and columns of the blocks left
+// of them, then step 5's inverses of the diagonal blocks).
 constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CV,
               PREP_B = PREP_A + BT * CA, PREP_F = PREP_B + BT,
               PREP_END = PREP_F + ((BT + BC) * CK > BT * TS ? (BT + BC) * CK : BT * TS);
@@ -90,6 +91,24 @@ __device__ __forceinline__ float exp2_nonpos(float x) {
 #else
     return exp2f(x);
 #endif
+}
+
+// Sums each of a lane's 2 HALF values over the warp, transposed: lane L gets the sum of value
+// L % (2 HALF). Each round keeps the half of the values the lane's bit names and adds the
+// partner's copy of it: for 32 values 31 shuffles, where 32 warp sums take 160.
+template <int HALF, int N>
+__device__ __forceinline__ float warp_sums_transposed(float (&x)[N], int lane) {
+    static_assert(HALF >= 1 && 2 * HALF <= N && HALF <= 16, "warp_sums_transposed: 2 HALF values of x, at most 32");
+    const bool up = (lane & HALF) != 0;
+#pragma unroll
+    for (int m = 0; m < HALF; ++m) {
+        const float send = up ? x[m] : x[m + HALF], keep = up ? x[m + HALF] : x[m];
+        x[m] = keep + KDA_SHFL_XOR(send, HALF);
+    }
+    if constexpr (HALF == 1)
+        return x[0];
+    else
+        return warp_sums_transposed<HALF / 2>(x, lane);
 }
 
 // Scratch of (chunk ch, value head hv): the element offset of its block of `per` floats.
@@ -285,8 +304,10 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 
     // 1. The chunk's raw rows, four channels per load and LB loads per thread and array in
     //    flight before any is used (one at a time, each waited on, this step took about a
-    //    third of the kernel: fifty-ninth session); the log-decays in log2 units; rows past
-    //    the chunk's end 0 (they change nothing).
+    //    third of the kernel: fifty-ninth session); the log-decays in log2 units, from the
+    //    approximate softplus (its exp and log: about 35 instructions fewer per element, the
+    //    outputs and states within 1e-6 of the f64 recurrence still: sixty-second session);
+    //    rows past the chunk's end 0 (they change nothing).
     {
         constexpr int LV = 4, LB = 4;                       // K % 16 == 0, V % 8 == 0 (chunk_supported)
         constexpr int NK = BT * K / LV, NV = BT * V / LV, NE = NK > NV ? NK : NV;
@@ -319,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                     for (int i = 0; i < LV; ++i) {
                         sK[t * CK + kk + i] = kx[b][i];
                         sQ[t * CK + kk + i] = qx[b][i];
-                        sG[t * CK + kk + i] = t < len ? log_decay_at(gx[b][i], &bx[b][i], p, a_exp) * LOG2E : 0.0f;
+                        sG[t * CK + kk + i] = t < len ? log_decay_at<true>(gx[b][i], &bx[b][i], p, a_exp) * LOG2E : 0.0f;
                     }
                 }
                 if (e < NV) {
@@ -360,61 +381,97 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     }
     __syncthreads();
 
-    // 3. Akk and Aqk over sub-chunks of BC tokens. Diagonal blocks: a thread per pair j < i sums
-    //    over K with the exact exp2(Gc_i - Gc_j) of each element. Blocks left of the diagonal
-    //    (block I, columns of blocks J < I): with r the first token of I, exp2(Gc_i - Gc_j) =
+    // 3. Akk and Aqk over sub-chunks of BC tokens. Diagonal blocks: a warp per two rows, 7 of
+    //    their 15 pairs with the exact exp2(Gc_i - Gc_j) of each element (below). Blocks left
+    //    of the diagonal (block I, columns of blocks J < I): with r the first token of I,
+    //    exp2(Gc_i - Gc_j) =
     //    exp2(Gc_i - Gc_r) exp2(Gc_r - Gc_j), both factors <= 1 (j < r <= i), so the rows k_i
     //    and q_i times the first factor and the columns k_j times the second (in sF, per block
     //    I) meet in a plain product: BT K exponentials per block row instead of one per element
     //    and pair. Aqk (j <= i, else 0) goes to the scratch, beta_i Akk (j < i) to sA.
     {
         float* aq = reinterpret_cast<float*>(c.aqk) + chunk_block(p, ch, hv, (size_t)BT * BT);
-        // the diagonal blocks: thread tid < NP takes pair pp = il (il - 1) / 2 + jl (jl < il) of
-        // block tid / NB; the warp after them the diagonal's Aqk, q_i . k_i (exp2(0) = 1), two
-        // rows per thread: no warp runs both paths. (A thread per two rows and column, all 16 x
-        // 16 pairs of a block, computed the exponentials of the pairs above the diagonal too;
-        // it took as long, as did 2 x 2 tiles of pairs: sixtieth session.)
+        // the diagonal blocks, a warp per task: block blk, its rows a = il and b = BC - 1 - il
+        // (il < BC / 2; 15 pairs j < i and two diagonal elements between them), its lanes four key
+        // channels each. Row b's pairs with the block's first BC / 2 columns (j < m <= b, m the
+        // block's middle row) factor as the blocks left of the diagonal do: k_b and q_b times
+        // exp2(Gc_b - Gc_m), column j times exp2(Gc_m - Gc_j) (in sF, once per block), both
+        // factors <= 1, their products without exponentials. The task's other 7 pairs (row a's
+        // il, row b's last 7 - il) take an exponential per channel. A lane's 32 partial sums
+        // (beta_i Akk and Aqk of each pair, then the two rows' q_i . k_i) are reduced transposed
+        // at the end, lane L taking sum L. (A thread per pair over all channels loaded from up to
+        // 16 rows at once, four wavefronts a load whatever its lanes shared, and took 13.3
+        // thousand cycles: sixtieth and sixty-first sessions.)
         {
-            constexpr int NB = BC * (BC - 1) / 2, NP = NB * (BT / BC);
-            static_assert(NP % 32 == 0 && NP + BT / 2 <= PREP_THREADS,
-                          "kda_chunk_prep: the diagonal blocks' pairs fill whole warps, their diagonal one more");
-            if (tid < NP) {
-                const int blk = tid / NB;
-                int il = 1, jl = tid - blk * NB;
-                while (jl >= il) jl -= il++;
-                const int i = blk * BC + il, j = blk * BC + jl;
-                const float* ki = sK + i * CK;
-                const float* qi = sQ + i * CK;
-                const float* gi = sG + i * CK;
-                const float* kj = sK + j * CK;
-                const float* gj = sG + j * CK;
-                float sk = 0.0f, sq = 0.0f;
-                for (int k = 0; k < K; k += 4) {
-                    const float4 kj4 = *reinterpret_cast<const float4*>(kj + k);
-                    const float4 gj4 = *reinterpret_cast<const float4*>(gj + k);
-                    const float4 ki4 = *reinterpret_cast<const float4*>(ki + k);
-                    const float4 qi4 = *reinterpret_cast<const float4*>(qi + k);
-                    const float4 gi4 = *reinterpret_cast<const float4*>(gi + k);
-                    const float e0 = kj4.x * exp2_nonpos(gi4.x - gj4.x), e1 = kj4.y * exp2_nonpos(gi4.y - gj4.y);
-                    const float e2 = kj4.z * exp2_nonpos(gi4.z - gj4.z), e3 = kj4.w * exp2_nonpos(gi4.w - gj4.w);
-                    sk += ki4.x * e0 + ki4.y * e1 + ki4.z * e2 + ki4.w * e3;
-                    sq += qi4.x * e0 + qi4.y * e1 + qi4.z * e2 + qi4.w * e3;
-                }
-                aq[i * BT + j] = sq;
-                sA[i * CA + j] = sB[i] * sk;
-            } else if (tid < NP + BT / 2) {
-                const int i = 2 * (tid - NP);
-                float sq[2] = {0.0f, 0.0f};
-                for (int k = 0; k < K; k += 4) {
+            static_assert(BC == 16, "kda_chunk_prep: a diagonal task's 2 x 15 + 2 sums fill a warp's lanes");
+            constexpr int MB = BC / 2, EX = BC / 2 - 1; // factored and exact pairs of a task
+            for (int e = tid; e < (BT / BC) * MB * K / 4; e += PREP_THREADS) {
+                const int row = 4 * e / K, kk = 4 * e - row * K;
+                const int j = (row / MB) * BC + row % MB, m = (row / MB) * BC + MB;
+                const float4 k4 = *reinterpret_cast<const float4*>(sK + j * CK + kk);
+                const float4 gj = *reinterpret_cast<const float4*>(sG + j * CK + kk);
+                const float4 gm = *reinterpret_cast<const float4*>(sG + m * CK + kk);
+                *reinterpret_cast<float4*>(sF + row * CK + kk) =
+                    make_float4(k4.x * exp2_nonpos(gm.x - gj.x), k4.y * exp2_nonpos(gm.y - gj.y),
+                                k4.z * exp2_nonpos(gm.z - gj.z), k4.w * exp2_nonpos(gm.w - gj.w));
+            }
+            __syncthreads();
+            for (int task = warp; task < (BT / BC) * MB; task += nwarps) {
+                const int blk = task / MB, il = task - blk * MB, j0 = blk * BC;
+                const int ia = j0 + il, ib = j0 + BC - 1 - il;
+                const float* cf = sF + blk * MB * CK; // the block's factored columns
+                float x[32];
 #pragma unroll
-                    for (int m = 0; m < 2; ++m) {
-                        const float4 k4 = *reinterpret_cast<const float4*>(sK + (i + m) * CK + k);
-                        const float4 q4 = *reinterpret_cast<const float4*>(sQ + (i + m) * CK + k);
-                        sq[m] += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
+                for (int e = 0; e < 32; ++e) x[e] = 0.0f;
+#pragma unroll
+                for (int c = 0; c < (K + 127) / 128; ++c) {
+                    const int kc = 4 * lane + 128 * c;
+                    if (K % 128 != 0 && kc >= K) break; // K % 4 == 0
+                    const float4 ka = *reinterpret_cast<const float4*>(sK + ia * CK + kc);
+                    const float4 qa = *reinterpret_cast<const float4*>(sQ + ia * CK + kc);
+                    const float4 ga = *reinterpret_cast<const float4*>(sG + ia * CK + kc);
+                    const float4 kb = *reinterpret_cast<const float4*>(sK + ib * CK + kc);
+                    const float4 qb = *reinterpret_cast<const float4*>(sQ + ib * CK + kc);
+                    const float4 gb = *reinterpret_cast<const float4*>(sG + ib * CK + kc);
+                    const float4 gm = *reinterpret_cast<const float4*>(sG + (j0 + MB) * CK + kc);
+                    const float f0 = exp2_nonpos(gb.x - gm.x), f1 = exp2_nonpos(gb.y - gm.y);
+                    const float f2 = exp2_nonpos(gb.z - gm.z), f3 = exp2_nonpos(gb.w - gm.w);
+                    const float4 kf = make_float4(kb.x * f0, kb.y * f1, kb.z * f2, kb.w * f3);
+                    const float4 qf = make_float4(qb.x * f0, qb.y * f1, qb.z * f2, qb.w * f3);
+#pragma unroll
+                    for (int t = 0; t < MB; ++t) { // sums 2 t, 2 t + 1: row b, column j0 + t
+                        const float4 c4 = *reinterpret_cast<const float4*>(cf + t * CK + kc);
+                        x[2 * t] += kf.x * c4.x + kf.y * c4.y + kf.z * c4.z + kf.w * c4.w;
+                        x[2 * t + 1] += qf.x * c4.x + qf.y * c4.y + qf.z * c4.z + qf.w * c4.w;
                     }
-                }
 #pragma unroll
-                for (int m = 0; m < 2; ++m) aq[(i + m) * BT + i + m] = sq[m];
+                    for (int u = 0; u < EX; ++u) { // sums 2 (MB + u) (+ 1): row a's pairs, then row b's last
+                        const bool on_a = u < il; // warp-uniform
+                        const int j = j0 + (on_a ? u : MB + u - il);
+                        const float4 kj = *reinterpret_cast<const float4*>(sK + j * CK + kc);
+                        const float4 gj = *reinterpret_cast<const float4*>(sG + j * CK + kc);
+                        const float4 ki = on_a ? ka : kb, qi = on_a ? qa : qb, gi = on_a ? ga : gb;
+                        const float e0 = kj.x * exp2_nonpos(gi.x - gj.x), e1 = kj.y * exp2_nonpos(gi.y - gj.y);
+                        const float e2 = kj.z * exp2_nonpos(gi.z - gj.z), e3 = kj.w * exp2_nonpos(gi.w - gj.w);
+                        x[2 * (MB + u)] += ki.x * e0 + ki.y * e1 + ki.z * e2 + ki.w * e3;
+                        x[2 * (MB + u) + 1] += qi.x * e0 + qi.y * e1 + qi.z * e2 + qi.w * e3;
+                    }
+                    x[30] += qa.x * ka.x + qa.y * ka.y + qa.z * ka.z + qa.w * ka.w;
+                    x[31] += qb.x * kb.x + qb.y * kb.y + qb.z * kb.z + qb.w * kb.w;
+                }
+                const float sum = warp_sums_transposed<16>(x, lane);
+                const int v = lane >> 1; // the pair (or the diagonal) of the lane's sum
+                if (v < MB + EX) {
+                    const bool on_a = v >= MB && v - MB < il;
+                    const int i = on_a ? ia : ib, j = j0 + (v < MB ? v : on_a ? v - MB : v - il);
+                    if (lane & 1)
+                        aq[i * BT + j] = sum;
+                    else
+                        sA[i * CA + j] = sB[i] * sum;
+                } else {
+                    const int i = lane & 1 ? ib : ia;
+                    aq[i * BT + i] = sum;
+                }
             }
         }
         // Aqk above the diagonal: 0 (Akk there, and on it, is never read)
