@@ -304,10 +304,10 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 
     // 1. The chunk's raw rows, four channels per load and LB loads per thread and array in
     //    flight before any is used (one at a time, each waited on, this step took about a
-    //    third of the kernel: fifty-ninth session); the log-decays in log2 units, from the
-    //    approximate softplus (its exp and log: about 35 instructions fewer per element, the
-    //    outputs and states within 1e-6 of the f64 recurrence still: sixty-second session);
-    //    rows past the chunk's end 0 (they change nothing).
+    //    third of the kernel: fifty-ninth session); the log-decays in log2 units, for a
+    //    2-byte pool from the approximate softplus as its decode takes them (about 35
+    //    instructions fewer per element; an fp32 pool keeps the CPU backend's arithmetic:
+    //    docs/accuracy.md); rows past the chunk's end 0 (they change nothing).
     {
         constexpr int LV = 4, LB = 4;                       // K % 16 == 0, V % 8 == 0 (chunk_supported)
         constexpr int NK = BT * K / LV, NV = BT * V / LV, NE = NK > NV ? NK : NV;
@@ -340,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                     for (int i = 0; i < LV; ++i) {
                         sK[t * CK + kk + i] = kx[b][i];
                         sQ[t * CK + kk + i] = qx[b][i];
-                        sG[t * CK + kk + i] = t < len ? log_decay_at<true>(gx[b][i], &bx[b][i], p, a_exp) * LOG2E : 0.0f;
+                        sG[t * CK + kk + i] = t < len ? log_decay_at<sizeof(ST) == 2>(gx[b][i], &bx[b][i], p, a_exp) * LOG2E : 0.0f;
                     }
                 }
                 if (e < NV) {
