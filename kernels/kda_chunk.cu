@@ -405,6 +405,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
         {
             static_assert(BC == 16, "kda_chunk_prep: a diagonal task's 2 x 15 + 2 sums fill a warp's lanes");
             constexpr int MB = BC / 2, EX = BC / 2 - 1; // factored and exact pairs of a task
+            static_assert((BT / BC) * MB <= BT + BC, "kda_chunk_prep: the factored columns fit sF");
             for (int e = tid; e < (BT / BC) * MB * K / 4; e += PREP_THREADS) {
                 const int row = 4 * e / K, kk = 4 * e - row * K;
                 const int j = (row / MB) * BC + row % MB, m = (row / MB) * BC + MB;

@@ -62,8 +62,9 @@ pub(crate) fn chunk_supported(k: usize, v: usize, smem_optin: usize) -> bool {
 const BC: usize = 16;
 
 /// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays and `sF`: the
-/// factored rows of one block row, `BT + BC` rows of K, then the inverses of the diagonal
-/// blocks of `I + Akk`, `BT` rows of `BC + 4`).
+/// diagonal blocks' factored columns, `BT / 2` rows of K, then the factored rows of one block
+/// row, `BT + BC` rows of K, then the inverses of the diagonal blocks of `I + Akk`, `BT` rows
+/// of `BC + 4`).
 pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
     let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
     let f = ((BT + BC) * ck).max(BT * (BC + 4));
