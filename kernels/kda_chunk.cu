@@ -28,6 +28,7 @@ struct KdaChunkParams {
     kda_u64 w, qg, kg, u, aqk, gl; // f32 scratch, per (chunk, value head): [BT][K] x 3, [BT][V], [BT][BT], [K]
     kda_u64 hs;                   // f32 scratch, per (chunk, value head): [K][V] the state at the chunk's start
     kda_u64 carry;                // f32 [HV][K][V]: the state of the sequence a window leaves open
+    kda_u64 prep_items;           // kda_chunk_prep's (chunk, value head) items: the window's chunks x HV
 };
 
 #define KDA_PIECE_FROM_SLOT 1u // the piece starts from the slot's state (else from the carry)
@@ -91,24 +92,6 @@ __device__ __forceinline__ float exp2_nonpos(float x) {
 #else
     return exp2f(x);
 #endif
-}
-
-// Sums each of a lane's 2 HALF values over the warp, transposed: lane L gets the sum of value
-// L % (2 HALF). Each round keeps the half of the values the lane's bit names and adds the
-// partner's copy of it: for 32 values 31 shuffles, where 32 warp sums take 160.
-template <int HALF, int N>
-__device__ __forceinline__ float warp_sums_transposed(float (&x)[N], int lane) {
-    static_assert(HALF >= 1 && 2 * HALF <= N && HALF <= 16, "warp_sums_transposed: 2 HALF values of x, at most 32");
-    const bool up = (lane & HALF) != 0;
-#pragma unroll
-    for (int m = 0; m < HALF; ++m) {
-        const float send = up ? x[m] : x[m + HALF], keep = up ? x[m + HALF] : x[m];
-        x[m] = keep + KDA_SHFL_XOR(send, HALF);
-    }
-    if constexpr (HALF == 1)
-        return x[0];
-    else
-        return warp_sums_transposed<HALF / 2>(x, lane);
 }
 
 // Scratch of (chunk ch, value head hv): the element offset of its block of `per` floats.
@@ -275,32 +258,95 @@ __device__ __forceinline__ void fold_pending(const KdaParams& p, kda_u32 slot, k
     }
 }
 
-} // namespace kda
+// kda_chunk_prep's item: chunk ch of the window and value head hv (item = ch * HV + hv), the
+// chunk's first token and tokens, the raw A_log of hv and, per thread, the raw beta of token
+// tid (kept raw until used, so that its load stays in flight).
+struct PrepItem {
+    kda_u32 ch, hv, tok0;
+    int len;
+    float a_log;
+    IT beta_raw;
+};
 
-// One CTA per (chunk of the window, value head): blockIdx.x = chunk * HV + hv.
-extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(const KdaParams p,
-                                                                              const KdaChunkParams c) {
-    using namespace kda;
-    extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's prep_smem
-    float* sK = csm;             // [BT][CK] activated keys
+// Whether kda_chunk_prep stages an item's raw rows (k, q, g, v and dt_bias) in shared memory by
+// cp.async, issued during the previous item's solve (step 5) into sK and sG, which the solve no
+// longer reads: 2-byte inputs whose raw rows fit there, each thread's share of them read in one
+// pass of step 1 (its registers hold them across the barrier before the f32 rows overwrite
+// them). At one CTA per SM an item's loads waited on DRAM: about a fifth of the kernel.
+constexpr bool PREP_STAGED = sizeof(IT) == 2 && BT * K <= 16 * PREP_THREADS && BT * V <= 16 * PREP_THREADS &&
+                             2 * BT * (K + V) + 4 * K <= 4 * BT * CK && K % 8 == 0 && V % 8 == 0;
+
+// The table row and A_log of item `item` (its beta: prep_beta, once tok0 has arrived).
+__device__ __forceinline__ PrepItem prep_item(const KdaParams& p, const KdaChunkParams& c, kda_u32 item) {
+    const kda_u32 ch = item / p.hv, hv = item - ch * p.hv;
+    const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
+    PrepItem it;
+    it.ch = ch;
+    it.hv = hv;
+    it.tok0 = ct[0];
+    it.len = (int)ct[1];
+    it.a_log = p.gate_mode ? reinterpret_cast<const float*>(p.a_log)[hv] : 0.0f;
+    return it;
+}
+
+// Thread tid's raw beta of `it` (token tid of the chunk, where it has one).
+__device__ __forceinline__ void prep_beta(const KdaParams& p, PrepItem& it, int tid) {
+    if (tid < it.len) it.beta_raw = reinterpret_cast<const IT*>(p.beta)[(it.tok0 + (size_t)tid) * p.hv + it.hv];
+}
+
+// The raw rows of `it` into sK (k, then q) and sG (g, v, then dt_bias's row in f32) by cp.async,
+// 16 bytes a copy, one committed group; rows past the chunk's end are not copied (step 1 reads
+// zeros for them).
+__device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& it, float* sK, float* sG, int tid) {
+    IT* rk = reinterpret_cast<IT*>(sK);
+    IT* rq = rk + BT * K;
+    IT* rg = reinterpret_cast<IT*>(sG);
+    IT* rv = rg + BT * K;
+    float* rb = reinterpret_cast<float*>(rv + BT * V);
+    const size_t h = it.hv / (p.hv / p.h);
+    constexpr int EK = K / 8, EV = V / 8; // 16-byte pieces of a row
+    for (int e = tid; e < it.len * EK; e += PREP_THREADS) {
+        const int t = e / EK, x = 8 * (e - t * EK);
+        const size_t tok = it.tok0 + (size_t)t;
+        cp_async16(rk + t * K + x, reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K + x);
+        cp_async16(rq + t * K + x, reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K + x);
+        cp_async16(rg + t * K + x, reinterpret_cast<const IT*>(p.g) + (tok * p.hv + it.hv) * K + x);
+    }
+    for (int e = tid; e < it.len * EV; e += PREP_THREADS) {
+        const int t = e / EV, x = 8 * (e - t * EV);
+        cp_async16(rv + t * V + x, reinterpret_cast<const IT*>(p.v) + ((it.tok0 + (size_t)t) * p.hv + it.hv) * V + x);
+    }
+    if (p.gate_mode)
+        for (int e = tid; e < K / 4; e += PREP_THREADS)
+            cp_async16(rb + 4 * e, reinterpret_cast<const float*>(p.dt_bias) + (size_t)it.hv * K + 4 * e);
+    cp_async_commit();
+}
+
+// kda_chunk_prep's work on one item in its dynamic shared memory csm; `next` (where `more`)
+// is the CTA's next item, whose beta is read and (PREP_STAGED) raw rows copied once this item's
+// step 4 is done.
+__device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const KdaChunkParams& c,
+                                           const PrepItem& it, PrepItem& next, bool more) {
+    float* sK = csm;             // [BT][CK] activated keys (PREP_STAGED: first the raw k and q)
     float* sQ = csm + PREP_Q;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w
-    float* sG = csm + PREP_G;    // [BT][CK] log-decays; then Gc in log2 units
+    float* sG = csm + PREP_G;    // [BT][CK] log-decays; then Gc in log2 units (PREP_STAGED: first the raw g, v, dt_bias)
     float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u
     float* sA = csm + PREP_A;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
     float* sB = csm + PREP_B;    // [BT] beta
     float* sF = csm + PREP_F;    // [2 BC + BT - BC][CK] the factored rows and columns of Akk, Aqk
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = PREP_THREADS / 32;
-    const kda_u32 ch = blockIdx.x / p.hv, hv = blockIdx.x - ch * p.hv;
-    const kda_u32* ct = reinterpret_cast<const kda_u32*>(c.chunks) + 2 * (size_t)ch;
-    const kda_u32 tok0 = ct[0];
-    const int len = (int)ct[1];
+    const kda_u32 ch = it.ch, hv = it.hv, tok0 = it.tok0;
+    const int len = it.len;
     const size_t h = hv / (p.hv / p.h);
-    const float a_exp = p.gate_mode ? expf(reinterpret_cast<const float*>(p.a_log)[hv]) : 0.0f;
-    const float* bias = reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
-    const IT* in_k = reinterpret_cast<const IT*>(p.k);
-    const IT* in_q = reinterpret_cast<const IT*>(p.q);
-    const IT* in_g = reinterpret_cast<const IT*>(p.g);
-    const IT* in_v = reinterpret_cast<const IT*>(p.v);
+    const float a_exp = p.gate_mode ? expf(it.a_log) : 0.0f;
+    const IT* in_k = PREP_STAGED ? reinterpret_cast<const IT*>(sK) : reinterpret_cast<const IT*>(p.k);
+    const IT* in_q = PREP_STAGED ? reinterpret_cast<const IT*>(sK) + BT * K : reinterpret_cast<const IT*>(p.q);
+    const IT* in_g = PREP_STAGED ? reinterpret_cast<const IT*>(sG) : reinterpret_cast<const IT*>(p.g);
+    const IT* in_v = PREP_STAGED ? reinterpret_cast<const IT*>(sG) + BT * K : reinterpret_cast<const IT*>(p.v);
+    const float* bias = PREP_STAGED ? reinterpret_cast<const float*>(in_v + BT * V)
+                                    : reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
+    if constexpr (PREP_STAGED) cp_async_wait<0>(); // this item's raw rows (prep_stage)
+    __syncthreads(); // and the previous item's stores of w and u read sQ and sV
 
     // 1. The chunk's raw rows, four channels per load and LB loads per thread and array in
     //    flight before any is used (one at a time, each waited on, this step took about a
@@ -311,26 +357,26 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     {
         constexpr int LV = 4, LB = 4;                       // K % 16 == 0, V % 8 == 0 (chunk_supported)
         constexpr int NK = BT * K / LV, NV = BT * V / LV, NE = NK > NV ? NK : NV;
-        const bool beta_here = tid < len;
-        const float beta_raw =
-            beta_here ? kda_load(reinterpret_cast<const IT*>(p.beta)[(tok0 + (size_t)tid) * p.hv + hv]) : 0.0f;
+        static_assert(!PREP_STAGED || NE <= LB * PREP_THREADS, "kda_chunk_prep: staged rows read in one pass");
+        // a thread's row and channels in the input (staged: the row of the chunk)
+        const auto row_k = [&](size_t t, size_t heads, size_t head) { return PREP_STAGED ? t : (tok0 + t) * heads + head; };
         for (int e0 = 0; e0 < NE; e0 += LB * PREP_THREADS) {
             float kx[LB][LV], qx[LB][LV], gx[LB][LV], vx[LB][LV], bx[LB][LV];
 #pragma unroll
             for (int b = 0; b < LB; ++b) {
                 const int e = e0 + b * PREP_THREADS + tid;
                 const int t = e * LV / K, kk = e * LV - t * K, tv = e * LV / V, cv = e * LV - tv * V;
-                const size_t tok = tok0 + (size_t)t, tokv = tok0 + (size_t)tv;
 #pragma unroll
                 for (int i = 0; i < LV; ++i) kx[b][i] = qx[b][i] = gx[b][i] = vx[b][i] = bx[b][i] = 0.0f;
                 if (e < NK && t < len) {
-                    kda_load_vec<IT, LV>(in_k + (tok * p.h + h) * K + kk, kx[b]);
-                    kda_load_vec<IT, LV>(in_q + (tok * p.h + h) * K + kk, qx[b]);
-                    kda_load_vec<IT, LV>(in_g + (tok * p.hv + hv) * K + kk, gx[b]);
+                    kda_load_vec<IT, LV>(in_k + row_k(t, p.h, h) * K + kk, kx[b]);
+                    kda_load_vec<IT, LV>(in_q + row_k(t, p.h, h) * K + kk, qx[b]);
+                    kda_load_vec<IT, LV>(in_g + row_k(t, p.hv, hv) * K + kk, gx[b]);
                     if (p.gate_mode) kda_load_vec<float, LV>(bias + kk, bx[b]); // log_decay_at's dt_bias
                 }
-                if (e < NV && tv < len) kda_load_vec<IT, LV>(in_v + (tokv * p.hv + hv) * V + cv, vx[b]);
+                if (e < NV && tv < len) kda_load_vec<IT, LV>(in_v + row_k(tv, p.hv, hv) * V + cv, vx[b]);
             }
+            if constexpr (PREP_STAGED) __syncthreads(); // every raw row read before the f32 rows overwrite them
 #pragma unroll
             for (int b = 0; b < LB; ++b) {
                 const int e = e0 + b * PREP_THREADS + tid;
@@ -349,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                 }
             }
         }
-        if (tid < BT) sB[tid] = beta_here ? act_beta(beta_raw, p) : 0.0f;
+        if (tid < BT) sB[tid] = tid < len ? act_beta(kda_load(it.beta_raw), p) : 0.0f;
     }
     __syncthreads();
 
@@ -460,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
                     x[30] += qa.x * ka.x + qa.y * ka.y + qa.z * ka.z + qa.w * ka.w;
                     x[31] += qb.x * kb.x + qb.y * kb.y + qb.z * kb.z + qb.w * kb.w;
                 }
-                const float sum = warp_sums_transposed<16>(x, lane);
+                const float sum = warp_sums_transposed(x, lane);
                 const int v = lane >> 1; // the pair (or the diagonal) of the lane's sum
                 if (v < MB + EX) {
                     const bool on_a = v >= MB && v - MB < il;
@@ -580,6 +626,12 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
         }
     }
     __syncthreads();
+    // the next item's beta and (staged) raw rows, in flight during the solve: sK and sG are
+    // not read again
+    if (more) {
+        prep_beta(p, next, tid);
+        if constexpr (PREP_STAGED) prep_stage(p, next, sK, sG, tid);
+    }
 
     // 5. w and u: (I + Akk) x = rhs in blocks of BC rows, on the tensor cores (3xTF32, f32
     //    accuracy). First T_I = (I + Akk_II)^-1 of each diagonal block, one thread per block
@@ -667,6 +719,32 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
             const int t = 4 * e / V, cv = 4 * e - t * V;
             *reinterpret_cast<float4*>(uout + 4 * e) = *reinterpret_cast<const float4*>(sV + t * CV + cv);
         }
+    }
+}
+
+} // namespace kda
+
+// Persistent CTAs over the window's (chunk, value head) items, item = chunk * HV + hv, CTA b
+// taking items b, b + gridDim.x, ... (c.prep_items in all): with PREP_STAGED, the host launches
+// one CTA per SM (its shared memory holds one) and each item's raw rows arrive during the
+// previous item's solve; else one CTA per item.
+extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(const KdaParams p,
+                                                                              const KdaChunkParams c) {
+    using namespace kda;
+    extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's prep_smem
+    kda_u32 item = blockIdx.x;
+    if (item >= c.prep_items) return;
+    PrepItem it = prep_item(p, c, item);
+    prep_beta(p, it, threadIdx.x);
+    if constexpr (PREP_STAGED) prep_stage(p, it, csm, csm + PREP_G, threadIdx.x);
+    for (;;) {
+        const kda_u32 after = item + gridDim.x;
+        const bool more = after < c.prep_items;
+        PrepItem next = more ? prep_item(p, c, after) : it;
+        prep_chunk(csm, p, c, it, next, more);
+        if (!more) break;
+        it = next;
+        item = after;
     }
 }
 

@@ -205,6 +205,40 @@ __device__ __forceinline__ void kda_store_vec(T* p, const T (&v)[N]) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Warp reductions.
+
+// One round of warp_sums_transposed: 2 HALF values still apart; the lane keeps the half its
+// bit OFF names and adds the partner's copy of it. After the last round, butterfly sums over
+// the lane bits below OFF.
+template <int HALF, int OFF, int N>
+__device__ __forceinline__ float warp_sums_transposed_round(float (&x)[N], int lane) {
+    const bool up = (lane & OFF) != 0;
+#pragma unroll
+    for (int m = 0; m < HALF; ++m) {
+        const float send = up ? x[m] : x[m + HALF], keep = up ? x[m + HALF] : x[m];
+        x[m] = keep + KDA_SHFL_XOR(send, OFF);
+    }
+    if constexpr (HALF == 1) {
+        float s = x[0];
+#pragma unroll
+        for (int o = OFF / 2; o >= 1; o /= 2) s += KDA_SHFL_XOR(s, o);
+        return s;
+    } else {
+        return warp_sums_transposed_round<HALF / 2, OFF / 2>(x, lane);
+    }
+}
+
+// Sums each of a lane's N values x (N a power of two, 2 to 32) over the warp, transposed: lane
+// L gets the sum of value (L >> (5 - log2 N)) % N (N = 8: lanes 4 m .. 4 m + 3 value m; N = 32:
+// lane L value L). N - 1 shuffles in the transposed rounds, 5 - log2 N after them: 8 values
+// take 9 and 32 take 31, where N warp sums take 5 N. x is clobbered.
+template <int N>
+__device__ __forceinline__ float warp_sums_transposed(float (&x)[N], int lane) {
+    static_assert(N >= 2 && N <= 32 && (N & (N - 1)) == 0, "warp_sums_transposed: N a power of two, 2 to 32");
+    return warp_sums_transposed_round<N / 2, 16>(x, lane);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Products on the tensor cores in f32 accuracy (kda_ring_mma, kda_chunk_state).
 
 // tf32 operands of mma.sync: the value rounded to tf32 (nearest, ties away from zero, in

@@ -162,8 +162,8 @@ __device__ __forceinline__ float scatter_sums(const float (&ak)[TV], const float
 // split over the lanes (lane L holds K rows 4 L .. 4 L + 3), a warp copies and then activates
 // one pending entry (its own copies: no barrier between), and after the one barrier (the
 // activations) every warp computes, for itself, the pair sums c_tj and e_tj over the split rows
-// (four entries at a time, one transposed reduction: pair_sums), P_t k_t and P_t q_t (turned
-// into the tile's lane mapping through a row of its own in shared memory), the two products
+// (four entries at a time, one transposed reduction: warp_sums_transposed), P_t k_t and P_t q_t
+// (turned into the tile's lane mapping through a row of its own in shared memory), the two products
 // with the tile and the corrections sum_j c_tj u_j, sum_j e_tj u_j. One barrier per item
 // before the end instead of six. A commit (pend = ring_len) folds the pending entries into the
 // tile (diag(P) S, then the rank-pend update, a warp's R k rows through its row) and decodes
@@ -356,29 +356,6 @@ __device__ __forceinline__ void split_store_raw(IT* dst, const float (&x)[KR]) {
     for (int i = 0; i < KR; ++i) dst[i] = KdaElem<IT>::from_f32(x[i]);
 }
 
-// Sums a lane's eight values x over the warp, transposed: lane L gets the sum of value
-// (L >> 2) & 7 (lanes 8 m .. 8 m + 3 value 2 m, lanes 8 m + 4 .. 8 m + 7 value 2 m + 1).
-// Nine shuffles where eight warp_sum take forty.
-__device__ __forceinline__ float pair_sums(float (&x)[8], int lane) {
-    // each round keeps the half of the values the lane's bit names and adds the partner's
-    // copy of it
-    const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        const float send = b4 ? x[m] : x[m + 4], keep = b4 ? x[m + 4] : x[m];
-        x[m] = keep + KDA_SHFL_XOR(send, 16);
-    }
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-        const float send = b3 ? x[m] : x[m + 2], keep = b3 ? x[m + 2] : x[m];
-        x[m] = keep + KDA_SHFL_XOR(send, 8);
-    }
-    const float send = b2 ? x[0] : x[1], keep = b2 ? x[1] : x[0];
-    float s = keep + KDA_SHFL_XOR(send, 4);
-    s += KDA_SHFL_XOR(s, 2);
-    return s + KDA_SHFL_XOR(s, 1);
-}
-
 // The lean path of one item (blockIdx.x); false, before any write, for an item it does not
 // take (not one new token, or pending entries without stored vectors): the caller then runs
 // the general item. STAGE: the tile staged in shared memory (kda_ring_delta_staged).
@@ -497,8 +474,8 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
     if constexpr (TILE_WORDS && !STAGE) tile_from_words(w, s);
     if (!store) {
         // c_tj = k_t . R_tj k_j and e_tj = q_t . R_tj k_j, four entries at a time (j going
-        // down): a lane's eight partial sums reduced transposed (pair_sums), then the lane's
-        // correction sum_j (c_tj or e_tj) u_j of its column
+        // down): a lane's eight partial sums reduced transposed (warp_sums_transposed), then
+        // the lane's correction sum_j (c_tj or e_tj) u_j of its column
         for (int j0 = pend - 1; j0 >= 0; j0 -= 4) {
             float ps[8];
 #pragma unroll
@@ -519,7 +496,7 @@ __device__ __forceinline__ bool ring_delta_decode(const KdaParams& p) {
                 ps[2 * m] = c;
                 ps[2 * m + 1] = e;
             }
-            const float sum = pair_sums(ps, lane);
+            const float sum = warp_sums_transposed(ps, lane);
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 const float ce = KDA_SHFL(sum, 8 * m + (isq ? 4 : 0));

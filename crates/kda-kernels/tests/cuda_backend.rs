@@ -1574,7 +1574,10 @@ fn cuda_chunked_prefill_in_windows_of_one_chunk_or_16_columns_gives_the_bits_of_
     // window to window through the f32 carry, which must change no bit of the outputs and
     // states (ring pools: their pending entries folded first). Nor may the state pass in 16
     // value columns per CTA (`kda_chunk_state_narrow`) instead of 32: each element's sums run
-    // in the same order (V = 40: a last block of 8 columns in both).
+    // in the same order (V = 40: a last block of 8 columns in both). Nor may `kda_chunk_prep`'s
+    // persistent CTAs: with 2-byte inputs of the production head size one window's 248 (chunk,
+    // value head) items run on one CTA per SM, several each, each item's raw rows copied during
+    // the previous one's solve, and windows of one chunk one item per CTA.
     let Some(cu) = cuda() else { return };
     cu.set_prefill_kernel(Some(PrefillKernel::Chunked))
         .expect("prefill kernel");
@@ -1587,17 +1590,60 @@ fn cuda_chunked_prefill_in_windows_of_one_chunk_or_16_columns_gives_the_bits_of_
         "{e}"
     );
     let mem = cu.memory();
-    for (state, ring_len, layout, v) in [
-        (Dtype::Fp32, 0, StateLayout::KFirst, 48),
-        (Dtype::Bf16, 3, StateLayout::VFirst, 48),
-        (Dtype::Fp16, 0, StateLayout::KFirst, 48),
-        (Dtype::Fp32, 2, StateLayout::KFirst, 40),
+    let small: &[usize] = &[150, 0, 37, 64, 1];
+    let production: &[usize] = &[1200, 77, 0, 640];
+    for (state, ring_len, layout, (h, hv, k, v), input, lens) in [
+        (
+            Dtype::Fp32,
+            0,
+            StateLayout::KFirst,
+            (2, 4, 32, 48),
+            Dtype::Fp32,
+            small,
+        ),
+        (
+            Dtype::Bf16,
+            3,
+            StateLayout::VFirst,
+            (2, 4, 32, 48),
+            Dtype::Fp32,
+            small,
+        ),
+        (
+            Dtype::Fp16,
+            0,
+            StateLayout::KFirst,
+            (2, 4, 32, 48),
+            Dtype::Fp32,
+            small,
+        ),
+        (
+            Dtype::Fp32,
+            2,
+            StateLayout::KFirst,
+            (2, 4, 32, 40),
+            Dtype::Fp32,
+            small,
+        ),
+        (
+            Dtype::Fp32,
+            0,
+            StateLayout::KFirst,
+            (4, 8, 128, 128),
+            Dtype::Bf16,
+            production,
+        ),
+        (
+            Dtype::Bf16,
+            2,
+            StateLayout::KFirst,
+            (4, 8, 128, 128),
+            Dtype::Fp16,
+            production,
+        ),
     ] {
-        let c = prefill_case(
-            case(2, 4, 32, v, state, Dtype::Fp32, layout, ring_len),
-            &[150, 0, 37, 64, 1],
-        );
-        let mut rng = StdRng::seed_from_u64(350 + ring_len as u64 + v as u64);
+        let c = prefill_case(case(h, hv, k, v, state, input, layout, ring_len), lens);
+        let mut rng = StdRng::seed_from_u64(350 + ring_len as u64 + v as u64 + k as u64);
         let init = initial_states(&c, &mut rng);
         // one window in 32 columns, windows of one chunk, one window in 16 columns
         let mut layers: Vec<_> = (0..3)
@@ -1643,7 +1689,8 @@ fn cuda_chunked_prefill_in_windows_of_one_chunk_or_16_columns_gives_the_bits_of_
             .map(|l| l.read_states(mem, &c.slots).expect("read"))
             .collect();
         for (i, how) in [(1, "windows of one chunk"), (2, "16 columns")] {
-            let what = format!("{state} {layout:?} ring {ring_len} V {v}, {how}");
+            let what =
+                format!("{state} {layout:?} ring {ring_len} K {k} V {v} {input} inputs, {how}");
             assert_bits_eq(&outs[i], &outs[0], &format!("{what}: outputs"));
             assert_bits_eq(&states[i], &states[0], &format!("{what}: states"));
         }

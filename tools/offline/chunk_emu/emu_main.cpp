@@ -205,8 +205,12 @@ static void run_chunked(Problem& pb, size_t max_chunks, bool narrow = false) {
         c.gl = (kda_u64)gl.data();
         c.hs = (kda_u64)hs.data();
         c.carry = (kda_u64)carry.data();
+        c.prep_items = win.chunks.size() * pb.hv;
         auto fresh_smem = [] { std::fill(std::begin(csm), std::end(csm), NAN); };
-        emu_launch((u32)(win.chunks.size() * pb.hv), kda::PREP_THREADS, [&] { kda_chunk_prep(p, c); }, fresh_smem);
+        // kda_chunk_prep on three persistent CTAs (the backend's one per SM, where inputs are
+        // staged; its loop is the same for unstaged ones), so that most take several items
+        const u32 prep_ctas = std::min<u32>((u32)c.prep_items, 3);
+        emu_launch(prep_ctas, kda::PREP_THREADS, [&] { kda_chunk_prep(p, c); }, fresh_smem);
         const u32 bv = narrow ? kda::BVN : kda::BV, vb = (V + bv - 1) / bv;
         emu_launch((u32)(win.pieces.size() * pb.hv) * vb, kda::STATE_THREADS, [&] {
             if (narrow)

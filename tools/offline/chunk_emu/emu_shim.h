@@ -31,7 +31,7 @@
 struct dim3e {
     unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local dim3e threadIdx, blockIdx, blockDim;
+inline thread_local dim3e threadIdx, blockIdx, blockDim, gridDim;
 
 struct alignas(8) float2 {
     float x, y;
@@ -237,6 +237,7 @@ inline void emu_launch(unsigned grid, unsigned threads, const std::function<void
                 threadIdx = {t, 0, 0};
                 blockIdx = {b, 0, 0};
                 blockDim = {threads, 1, 1};
+                gridDim = {grid, 1, 1};
                 emu_block = &blk;
                 kernel();
                 if (!emu_open.empty() || !emu_groups.empty()) {

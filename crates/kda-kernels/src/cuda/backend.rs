@@ -24,9 +24,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use state_pool::{DeviceMemory, Dtype, LayerMut, PoolGeometry, RingMeta, Rounding, StateLayout};
 
 use super::chunk_plan::{
-    chunk_supported, max_chunks, out_smem, out_vblocks, prefer_chunked, prep_smem, state_columns,
-    state_smem, vblocks, windows, ChunkParams, ScratchLayout, BV, BV_NARROW, DEFAULT_SCRATCH_BYTES,
-    OUT_THREADS, PREP_THREADS, STATE_THREADS,
+    chunk_supported, max_chunks, out_smem, out_vblocks, prefer_chunked, prep_ctas, prep_smem,
+    prep_staged, state_columns, state_smem, vblocks, windows, ChunkParams, ScratchLayout, BV,
+    BV_NARROW, DEFAULT_SCRATCH_BYTES, OUT_THREADS, PREP_THREADS, STATE_THREADS,
 };
 use super::eager_plan::{eager_plan, EagerPlan, EagerShape, PIPE_THREADS, STREAM_CTAS_PER_SM};
 use super::kernel::Kernel;
@@ -638,6 +638,7 @@ impl CudaBackend {
         let input = call.inputs.map_or(g.ring_dtype, |i| i.q.dtype);
         let kernels = chunk_kernels(&self.ctx, StepKey::of(g, input, BatchKind::Plain))?;
         let (prep_bytes, out_bytes) = (prep_smem(k, v), out_smem(k));
+        let staged = prep_staged(input.size(), k, v);
         kernels.prep.opt_in_smem(prep_bytes)?;
         kernels.out.opt_in_smem(out_bytes)?;
         let columns = *self.chunk_columns.lock();
@@ -673,9 +674,11 @@ impl CudaBackend {
                 gl: at(lay.gl),
                 hs: at(lay.hs),
                 carry: at(lay.carry),
+                prep_items: (n_chunks * hv) as u64,
             };
+            let prep = prep_ctas(n_chunks * hv, staged, self.num_sms as usize);
             for (kernel, ctas, threads, smem) in [
-                (&kernels.prep, n_chunks * hv, PREP_THREADS, prep_bytes),
+                (&kernels.prep, prep, PREP_THREADS, prep_bytes),
                 (
                     state,
                     n_pieces * hv * vblocks(v, bv),
@@ -705,9 +708,10 @@ impl CudaBackend {
                 // match (sizes checked at compile time); every pointer in them refers to a live
                 // allocation validated against the geometry and the batch, the window's tables
                 // (kept with the batch) and the scratch (sized by `ScratchLayout` for the
-                // largest window's chunks, kept by the backend); the grid is the window's
-                // chunks (or pieces x blocks, or chunks x blocks) times the value heads, the
-                // block the kernels' launch bounds, the shared memory opted in above. Each
+                // largest window's chunks, kept by the backend); the grid is at most the
+                // window's chunks times the value heads (`prep_items`, which the preparation's
+                // CTAs loop over), or pieces x blocks, or chunks x blocks times the value heads;
+                // the block the kernels' launch bounds, the shared memory opted in above. Each
                 // reads what the one before it wrote, ordered by the stream; none waits on a
                 // previous grid by itself, so none launches as a dependent launch.
                 unsafe { launch_args(s, kernel.func(), cfg, &mut args, false) }

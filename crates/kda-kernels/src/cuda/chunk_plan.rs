@@ -44,9 +44,11 @@ pub(crate) struct ChunkParams {
     pub hs: u64,
     /// `f32 [HV][K][V]`: the state of the sequence a window leaves open.
     pub carry: u64,
+    /// `kda_chunk_prep`'s (chunk, value head) items: the window's chunks times the value heads.
+    pub prep_items: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<ChunkParams>() == 10 * 8);
+const _: () = assert!(std::mem::size_of::<ChunkParams>() == 11 * 8);
 
 /// Whether the chunked kernels take heads of `k` x `v` (K in the tensor cores' tiles of 16
 /// rows, eight output columns at a time) within `smem_optin` bytes of shared memory per CTA.
@@ -69,6 +71,31 @@ pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
     let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
     let f = ((BT + BC) * ck).max(BT * (BC + 4));
     4 * (3 * BT * ck + BT * cv + BT * ca + BT + f)
+}
+
+/// Whether `kda_chunk_prep` stages each item's raw rows in shared memory during the previous
+/// item's solve (`PREP_STAGED` of `kda_chunk.cu`): inputs of `input_bytes` = 2 whose raw rows
+/// (k, q in `sK`; g, v and the f32 `dt_bias` row in `sG`) fit there and are read in one pass
+/// of 16 elements per thread and array.
+pub(crate) fn prep_staged(input_bytes: usize, k: usize, v: usize) -> bool {
+    let ck = k.next_multiple_of(4) + 4;
+    input_bytes == 2
+        && BT * k <= 16 * PREP_THREADS
+        && BT * v <= 16 * PREP_THREADS
+        && 2 * BT * (k + v) + 4 * k <= 4 * BT * ck
+        && k.is_multiple_of(8)
+        && v.is_multiple_of(8)
+}
+
+/// `kda_chunk_prep`'s CTAs for `items` (chunk, value head) items on `sms` multiprocessors:
+/// one per SM where the items are staged (persistent CTAs, each item's raw rows copied during
+/// the previous one's solve; the shared memory holds one CTA per SM), else one per item.
+pub(crate) fn prep_ctas(items: usize, staged: bool, sms: usize) -> usize {
+    if staged {
+        items.min(sms.max(1))
+    } else {
+        items
+    }
 }
 
 /// Dynamic shared memory of `kda_chunk_state` in `bv` value columns per CTA ([`BV`] or
@@ -274,6 +301,24 @@ pub(crate) const PAIRS_PER_WAVE: usize = 264;
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn two_byte_inputs_of_the_production_heads_are_staged_on_one_cta_per_sm() {
+        assert!(prep_staged(2, 128, 128));
+        assert!(prep_staged(2, 64, 64));
+        assert!(!prep_staged(4, 128, 128), "f32 rows do not fit sK and sG");
+        assert!(
+            !prep_staged(2, 256, 128),
+            "more than 16 elements per thread and array"
+        );
+        assert!(
+            !prep_staged(2, 32, 48),
+            "v wider than k: g and v do not fit sG"
+        );
+        assert_eq!(prep_ctas(512 * 12, true, 132), 132);
+        assert_eq!(prep_ctas(4 * 12, true, 132), 48, "no more CTAs than items");
+        assert_eq!(prep_ctas(512 * 12, false, 132), 512 * 12);
+    }
 
     #[test]
     fn the_production_heads_fit_and_odd_widths_fall_back() {
