@@ -1590,58 +1590,37 @@ fn cuda_chunked_prefill_in_windows_of_one_chunk_or_16_columns_gives_the_bits_of_
         "{e}"
     );
     let mem = cu.memory();
-    let small: &[usize] = &[150, 0, 37, 64, 1];
-    let production: &[usize] = &[1200, 77, 0, 640];
-    for (state, ring_len, layout, (h, hv, k, v), input, lens) in [
+    // (state, ring_len, layout, V) at K = 32, f32 inputs; (state, ring_len, inputs) at the
+    // production head size
+    let small = [
+        (Dtype::Fp32, 0, StateLayout::KFirst, 48),
+        (Dtype::Bf16, 3, StateLayout::VFirst, 48),
+        (Dtype::Fp16, 0, StateLayout::KFirst, 48),
+        (Dtype::Fp32, 2, StateLayout::KFirst, 40),
+    ]
+    .map(|(s, r, l, v)| {
         (
+            s,
+            r,
+            l,
+            (2, 4, 32, v),
             Dtype::Fp32,
-            0,
-            StateLayout::KFirst,
-            (2, 4, 32, 48),
-            Dtype::Fp32,
-            small,
-        ),
-        (
-            Dtype::Bf16,
-            3,
-            StateLayout::VFirst,
-            (2, 4, 32, 48),
-            Dtype::Fp32,
-            small,
-        ),
-        (
-            Dtype::Fp16,
-            0,
-            StateLayout::KFirst,
-            (2, 4, 32, 48),
-            Dtype::Fp32,
-            small,
-        ),
-        (
-            Dtype::Fp32,
-            2,
-            StateLayout::KFirst,
-            (2, 4, 32, 40),
-            Dtype::Fp32,
-            small,
-        ),
-        (
-            Dtype::Fp32,
-            0,
-            StateLayout::KFirst,
-            (4, 8, 128, 128),
-            Dtype::Bf16,
-            production,
-        ),
-        (
-            Dtype::Bf16,
-            2,
-            StateLayout::KFirst,
-            (4, 8, 128, 128),
-            Dtype::Fp16,
-            production,
-        ),
-    ] {
+            &[150, 0, 37, 64, 1][..],
+        )
+    });
+    let production =
+        [(Dtype::Fp32, 0, Dtype::Bf16), (Dtype::Bf16, 2, Dtype::Fp16)].map(|(s, r, i)| {
+            (
+                s,
+                r,
+                StateLayout::KFirst,
+                (4, 8, 128, 128),
+                i,
+                &[1200, 77, 0, 640][..],
+            )
+        });
+    for (state, ring_len, layout, (h, hv, k, v), input, lens) in small.into_iter().chain(production)
+    {
         let c = prefill_case(case(h, hv, k, v, state, input, layout, ring_len), lens);
         let mut rng = StdRng::seed_from_u64(350 + ring_len as u64 + v as u64 + k as u64);
         let init = initial_states(&c, &mut rng);
