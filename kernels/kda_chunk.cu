@@ -68,16 +68,24 @@ static_assert(STATE_THREADS == 32 * (BT / 16) * 2, "kda_chunk_state: four warps 
 static_assert(OUT_THREADS == 32 * (BT / 16) * (OBV / 32), "kda_chunk_out: one warp per 16 rows and 32 columns");
 static_assert(PREP_THREADS % BT == 0 && PREP_THREADS % (BT / BC) == 0 && PREP_THREADS % 64 == 0,
               "kda_chunk_prep: its thread maps");
+// Whether kda_chunk_prep stages an item's raw rows (k, q, g, v and dt_bias) in shared memory by
+// cp.async, issued during the previous item's solve (step 5) into sK and sG, which the solve no
+// longer reads: 2-byte inputs whose raw rows fit there, each thread's share of them read in one
+// pass of step 1 (its registers hold them across the barrier before the f32 rows overwrite
+// them). At one CTA per SM an item's loads waited on DRAM: about a fifth of the kernel.
+constexpr bool PREP_STAGED = sizeof(IT) == 2 && BT * K <= 16 * PREP_THREADS && BT * V <= 16 * PREP_THREADS &&
+                             2 * BT * (K + V) + 4 * K <= 4 * BT * CK && K % 8 == 0 && V % 8 == 0;
 
 } // namespace kda
 
-// The dynamic shared memory each kernel carves up, in bytes, between two marker words: the
-// host sizes its launches with chunk_plan.rs's prep_smem and state_smem, and the NVRTC test
-// of registry.rs reads these words out of the compiled module to hold the two to the same
-// numbers.
-extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[6] = {
+// The dynamic shared memory each kernel carves up, in bytes, and whether kda_chunk_prep
+// stages its items (PREP_STAGED), between two marker words: the host sizes its launches with
+// chunk_plan.rs's prep_smem, state_smem and out_smem and picks the preparation's grid with its
+// prep_staged, and the NVRTC test of registry.rs reads these words out of the compiled module
+// to hold the two to the same numbers.
+extern "C" __device__ const kda_u32 kda_chunk_smem_bytes[7] = {
     0x4b444153u, 4u * kda::PREP_END, 4u * kda::StateCols<kda::BV>::END, 4u * kda::StateCols<kda::BVN>::END,
-    4u * kda::OUT_END, 0x534d454du};
+    4u * kda::OUT_END, kda::PREP_STAGED ? 1u : 0u, 0x534d454du};
 
 namespace kda {
 
@@ -267,14 +275,6 @@ struct PrepItem {
     float a_log;
     IT beta_raw;
 };
-
-// Whether kda_chunk_prep stages an item's raw rows (k, q, g, v and dt_bias) in shared memory by
-// cp.async, issued during the previous item's solve (step 5) into sK and sG, which the solve no
-// longer reads: 2-byte inputs whose raw rows fit there, each thread's share of them read in one
-// pass of step 1 (its registers hold them across the barrier before the f32 rows overwrite
-// them). At one CTA per SM an item's loads waited on DRAM: about a fifth of the kernel.
-constexpr bool PREP_STAGED = sizeof(IT) == 2 && BT * K <= 16 * PREP_THREADS && BT * V <= 16 * PREP_THREADS &&
-                             2 * BT * (K + V) + 4 * K <= 4 * BT * CK && K % 8 == 0 && V % 8 == 0;
 
 // The table row and A_log of item `item` (its beta: prep_beta, once tok0 has arrived).
 __device__ __forceinline__ PrepItem prep_item(const KdaParams& p, const KdaChunkParams& c, kda_u32 item) {

@@ -90,8 +90,8 @@ pub(crate) fn prep_staged(input_bytes: usize, k: usize, v: usize) -> bool {
 /// `kda_chunk_prep`'s CTAs for `items` (chunk, value head) items on `sms` multiprocessors:
 /// one per SM where the items are staged (persistent CTAs, each item's raw rows copied during
 /// the previous one's solve; the shared memory holds one CTA per SM), else one per item. The
-/// kernel computes the same bits on any grid: a `prep_staged` that disagreed with the kernel's
-/// `PREP_STAGED` would cost speed only.
+/// kernel computes the same bits on any grid (a `prep_staged` that disagreed with the kernel's
+/// `PREP_STAGED` would cost speed only; the NVRTC test holds the two equal).
 pub(crate) fn prep_ctas(items: usize, staged: bool, sms: usize) -> usize {
     if staged {
         items.min(sms.max(1))

@@ -647,12 +647,12 @@ mod tests {
         Some(compile_cubin(src, name, &options))
     }
 
-    /// The four words between `kda_chunk_smem_bytes`' markers in a CUBIN's initialised data.
-    fn chunk_smem_words(cubin: &[u8]) -> Option<[u32; 4]> {
+    /// The five words between `kda_chunk_smem_bytes`' markers in a CUBIN's initialised data.
+    fn chunk_smem_words(cubin: &[u8]) -> Option<[u32; 5]> {
         let word = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("four bytes"));
-        cubin.windows(24).find_map(|w| {
-            (word(&w[..4]) == 0x4b44_4153 && word(&w[20..]) == 0x534d_454d)
-                .then(|| [1, 2, 3, 4].map(|i| word(&w[4 * i..4 * i + 4])))
+        cubin.windows(28).find_map(|w| {
+            (word(&w[..4]) == 0x4b44_4153 && word(&w[24..]) == 0x534d_454d)
+                .then(|| [1, 2, 3, 4, 5].map(|i| word(&w[4 * i..4 * i + 4])))
         })
     }
 
@@ -867,8 +867,9 @@ mod tests {
                 !has_entry(&cubin, "kda_eage"),
                 "has_entry matches whole names only"
             );
-            // the chunked kernels' shared memory as the kernel source carves it up
-            // (`kda_chunk_smem_bytes`, between its marker words) is what the host gives them
+            // the chunked kernels' shared memory as the kernel source carves it up, and
+            // whether its preparation stages its items (`kda_chunk_smem_bytes`, between its
+            // marker words), is what the host gives them and expects
             let words = chunk_smem_words(&cubin)
                 .unwrap_or_else(|| panic!("{key:?}: no kda_chunk_smem_bytes in the CUBIN"));
             assert_eq!(
@@ -877,9 +878,10 @@ mod tests {
                     chunk_plan::prep_smem(key.k, key.v) as u32,
                     chunk_plan::state_smem(key.k, chunk_plan::BV) as u32,
                     chunk_plan::state_smem(key.k, chunk_plan::BV_NARROW) as u32,
-                    chunk_plan::out_smem(key.k) as u32
+                    chunk_plan::out_smem(key.k) as u32,
+                    chunk_plan::prep_staged(key.input.size(), key.k, key.v) as u32,
                 ],
-                "{key:?}: kda_chunk.cu's shared memory against chunk_plan.rs's"
+                "{key:?}: kda_chunk.cu's shared memory and staging against chunk_plan.rs's"
             );
         }
         if let Some(r) = try_compile(&source("", FILL), "kda_fill.cu") {
