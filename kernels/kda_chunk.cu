@@ -134,11 +134,30 @@ __device__ __forceinline__ void copy_rows(float* dst, const float* src, size_t s
     }
 }
 
+// The A fragment of the m16n8k8 tile at a (row-major, row stride ld, in shared memory, 16-byte
+// aligned rows) split as frag_a_split does: one ldmatrix.x4 where the device has it (a tf32
+// row of four is a b16 row of eight; matrix m from lanes 8 m .. 8 m + 7 gives register m), in
+// place of four 4-byte loads (the chunk kernels' products: sixty-fourth session).
+__device__ __forceinline__ void frag_a_tile(const float* a, int ld, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
+    const int lane = threadIdx.x & 31;
+#if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const float* row = a + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 4 * (lane >> 4);
+    kda_u32 x[4];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+                 : "r"(smem_addr(row)));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tf32_split_fast(__uint_as_float(x[i]), h[i], l[i]);
+#else
+    frag_a_split(a + (lane >> 2) * ld + (lane & 3), ld, h, l);
+#endif
+}
+
 // acc += A B for a warp's 16 rows and NT 8-column tiles on the tensor cores (3xTF32), the A
-// fragments shared by the tiles: A's rows from a (row-major, row stride lda, the warp's first
-// row), kn columns of it (a multiple of 8); tile nt's kn rows of B from b[nt] (row stride
-// ldb[nt], the tile's first column), skipped where on[nt] is false. Accumulator e of tile nt
-// is (row g + 8 (e / 2), column 2 t4 + e % 2 of the tile).
+// fragments shared by the tiles: A's rows from a (row-major in shared memory as frag_a_tile
+// takes it, the warp's first row), kn columns of it (a multiple of 8); tile nt's kn rows of B
+// from b[nt] (row stride ldb[nt], the tile's first column), skipped where on[nt] is false.
+// Accumulator e of tile nt is (row g + 8 (e / 2), column 2 t4 + e % 2 of the tile).
 template <int NT>
 __device__ __forceinline__ void warp_product_tiles(float (&acc)[NT][4], const float* a, int lda,
                                                    const float* const (&b)[NT], const int (&ldb)[NT],
@@ -147,7 +166,7 @@ __device__ __forceinline__ void warp_product_tiles(float (&acc)[NT][4], const fl
 #pragma unroll 4
     for (int k0 = 0; k0 < kn; k0 += 8) {
         kda_u32 ah[4], al[4];
-        frag_a_split(a + g * lda + k0 + t4, lda, ah, al);
+        frag_a_tile(a + k0, lda, ah, al);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             if (!on[nt]) continue;
@@ -295,9 +314,10 @@ __device__ __forceinline__ void prep_beta(const KdaParams& p, PrepItem& it, int 
 }
 
 // The raw rows of `it` into sK (k, then q) and sG (g, v, then dt_bias's row in f32) by cp.async,
-// 16 bytes a copy, one committed group; rows past the chunk's end are not copied (step 1 reads
-// zeros for them).
-__device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& it, float* sK, float* sG, int tid) {
+// 16 bytes a copy, by threads tid = 0 .. nt - 1 of the CTA, one committed group each; rows past
+// the chunk's end are not copied (step 1 reads zeros for them).
+__device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& it, float* sK, float* sG, int tid,
+                                           int nt) {
     IT* rk = reinterpret_cast<IT*>(sK);
     IT* rq = rk + BT * K;
     IT* rg = reinterpret_cast<IT*>(sG);
@@ -305,19 +325,19 @@ __device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& i
     float* rb = reinterpret_cast<float*>(rv + BT * V);
     const size_t h = it.hv / (p.hv / p.h);
     constexpr int EK = K / 8, EV = V / 8; // 16-byte pieces of a row
-    for (int e = tid; e < it.len * EK; e += PREP_THREADS) {
+    for (int e = tid; e < it.len * EK; e += nt) {
         const int t = e / EK, x = 8 * (e - t * EK);
         const size_t tok = it.tok0 + (size_t)t;
         cp_async16(rk + t * K + x, reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K + x);
         cp_async16(rq + t * K + x, reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K + x);
         cp_async16(rg + t * K + x, reinterpret_cast<const IT*>(p.g) + (tok * p.hv + it.hv) * K + x);
     }
-    for (int e = tid; e < it.len * EV; e += PREP_THREADS) {
+    for (int e = tid; e < it.len * EV; e += nt) {
         const int t = e / EV, x = 8 * (e - t * EV);
         cp_async16(rv + t * V + x, reinterpret_cast<const IT*>(p.v) + ((it.tok0 + (size_t)t) * p.hv + it.hv) * V + x);
     }
     if (p.gate_mode)
-        for (int e = tid; e < K / 4; e += PREP_THREADS)
+        for (int e = tid; e < K / 4; e += nt)
             cp_async16(rb + 4 * e, reinterpret_cast<const float*>(p.dt_bias) + (size_t)it.hv * K + 4 * e);
     cp_async_commit();
 }
@@ -561,7 +581,7 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
 #pragma unroll
                     for (int h2 = 0; h2 < 2; ++h2) {
                         kda_u32 ah[4], al[4], bh0, bl0, bh1, bl1;
-                        frag_a_split(sF + (BC * mt + g) * CK + k0 + 8 * h2 + t4, CK, ah, al);
+                        frag_a_tile(sF + BC * mt * CK + k0 + 8 * h2, CK, ah, al);
                         const float* br = sF + (2 * BC + n0 + g) * CK + k0 + 8 * h2 + t4;
                         tf32_split_fast(br[0], bh0, bl0);
                         tf32_split_fast(br[4], bh1, bl1);
@@ -627,10 +647,14 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
     }
     __syncthreads();
     // the next item's beta and (staged) raw rows, in flight during the solve: sK and sG are
-    // not read again
+    // not read again. The copies are issued by the warps that do not compute the inverses
+    // below, beside them (issued by every warp before the inverses, they took 2.5 thousand
+    // cycles, then the inverses 1.2 thousand on two warps: sixty-third session).
+    static_assert(BT % 32 == 0 && BT < PREP_THREADS, "kda_chunk_prep: the inverses' threads are whole warps, not all");
     if (more) {
         prep_beta(p, next, tid);
-        if constexpr (PREP_STAGED) prep_stage(p, next, sK, sG, tid);
+        if constexpr (PREP_STAGED)
+            if (tid >= BT) prep_stage(p, next, sK, sG, tid - BT, PREP_THREADS - BT);
     }
 
     // 5. w and u: (I + Akk) x = rhs in blocks of BC rows, on the tensor cores (3xTF32, f32
@@ -736,7 +760,7 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
     if (item >= c.prep_items) return;
     PrepItem it = prep_item(p, c, item);
     prep_beta(p, it, threadIdx.x);
-    if constexpr (PREP_STAGED) prep_stage(p, it, csm, csm + PREP_G, threadIdx.x);
+    if constexpr (PREP_STAGED) prep_stage(p, it, csm, csm + PREP_G, threadIdx.x, PREP_THREADS);
     for (;;) {
         const kda_u32 after = item + gridDim.x;
         const bool more = after < c.prep_items;
