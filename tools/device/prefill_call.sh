@@ -6,8 +6,8 @@
 # 1 x 32768 fp16), fla-core's chunk_kda on the same shapes (tools/device/fla_prefill.py, from
 # the wheel in .whl/; FLA_HEADS picks its heads, FLA_TIMEOUT its seconds, default 150), and
 # ncu's view of the chunked kernels of the last TESTED at H 32, 8 x 4096, fp32 (NCU=0: none).
-# Each build made here with tools/device/build_carry.sh NAME and carried with .whl. Writes $OUT/q.tgz
-# (re-packed after each part, so a call cut short still returns what ran).
+# Each build made here with tools/device/build_carry.sh NAME and carried with .whl. Writes
+# $OUT/q.tgz (re-packed after each part, so a call cut short still returns what ran).
 set -u
 tested=${1:?usage: prefill_call.sh TESTED BUILD...}
 shift
@@ -38,7 +38,8 @@ pack
 timeout "${FLA_TIMEOUT:-150}" python3 tools/device/fla_prefill.py chunk >"$O/fla_chunk.txt" 2>&1
 el "fla chunk rc=$?"
 pack
-ncu=$( [ "${NCU:-1}" = 0 ] || command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+ncu=""
+[ "${NCU:-1}" = 0 ] || ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 if [ -n "$ncu" ]; then
     KDA_KERNEL_CACHE=.devbin/$tested/kc LD_LIBRARY_PATH=.devbin/$tested/lib timeout 60 "$ncu" --clock-control none \
         -k regex:kda_chunk -c 4 --section SpeedOfLight --section Occupancy --section LaunchStats \
