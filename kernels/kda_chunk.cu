@@ -313,16 +313,27 @@ __device__ __forceinline__ void prep_beta(const KdaParams& p, PrepItem& it, int 
     if (tid < it.len) it.beta_raw = reinterpret_cast<const IT*>(p.beta)[(it.tok0 + (size_t)tid) * p.hv + it.hv];
 }
 
-// The raw rows of `it` into sK (k, then q) and sG (g, v, then dt_bias's row in f32) by cp.async,
-// 16 bytes a copy, by threads tid = 0 .. nt - 1 of the CTA, one committed group each; rows past
-// the chunk's end are not copied (step 1 reads zeros for them).
+// Where PREP_STAGED's raw rows of an item lie in kda_chunk_prep's shared memory (prep_raw): k,
+// then q in sK; g, v, then dt_bias's row in f32 in sG (BT rows of K or V elements an array).
+struct PrepRaw {
+    IT *k, *q, *g, *v;
+    float* bias;
+};
+
+__device__ __forceinline__ PrepRaw prep_raw(float* sK, float* sG) {
+    IT* k = reinterpret_cast<IT*>(sK);
+    IT* g = reinterpret_cast<IT*>(sG);
+    return {k, k + BT * K, g, g + BT * K, reinterpret_cast<float*>(g + BT * K + BT * V)};
+}
+
+// The raw rows of `it` into sK and sG as prep_raw lays them out, by cp.async, 16 bytes a copy,
+// by threads tid = 0 .. nt - 1 of the CTA, one committed group each; rows past the chunk's end
+// are not copied (step 1 reads zeros for them).
 __device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& it, float* sK, float* sG, int tid,
                                            int nt) {
-    IT* rk = reinterpret_cast<IT*>(sK);
-    IT* rq = rk + BT * K;
-    IT* rg = reinterpret_cast<IT*>(sG);
-    IT* rv = rg + BT * K;
-    float* rb = reinterpret_cast<float*>(rv + BT * V);
+    const PrepRaw raw = prep_raw(sK, sG);
+    IT *rk = raw.k, *rq = raw.q, *rg = raw.g, *rv = raw.v;
+    float* rb = raw.bias;
     const size_t h = it.hv / (p.hv / p.h);
     constexpr int EK = K / 8, EV = V / 8; // 16-byte pieces of a row
     for (int e = tid; e < it.len * EK; e += nt) {
@@ -359,12 +370,12 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
     const int len = it.len;
     const size_t h = hv / (p.hv / p.h);
     const float a_exp = p.gate_mode ? expf(it.a_log) : 0.0f;
-    const IT* in_k = PREP_STAGED ? reinterpret_cast<const IT*>(sK) : reinterpret_cast<const IT*>(p.k);
-    const IT* in_q = PREP_STAGED ? reinterpret_cast<const IT*>(sK) + BT * K : reinterpret_cast<const IT*>(p.q);
-    const IT* in_g = PREP_STAGED ? reinterpret_cast<const IT*>(sG) : reinterpret_cast<const IT*>(p.g);
-    const IT* in_v = PREP_STAGED ? reinterpret_cast<const IT*>(sG) + BT * K : reinterpret_cast<const IT*>(p.v);
-    const float* bias = PREP_STAGED ? reinterpret_cast<const float*>(in_v + BT * V)
-                                    : reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
+    const PrepRaw raw = prep_raw(sK, sG);
+    const IT* in_k = PREP_STAGED ? raw.k : reinterpret_cast<const IT*>(p.k);
+    const IT* in_q = PREP_STAGED ? raw.q : reinterpret_cast<const IT*>(p.q);
+    const IT* in_g = PREP_STAGED ? raw.g : reinterpret_cast<const IT*>(p.g);
+    const IT* in_v = PREP_STAGED ? raw.v : reinterpret_cast<const IT*>(p.v);
+    const float* bias = PREP_STAGED ? raw.bias : reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
     if constexpr (PREP_STAGED) cp_async_wait<0>(); // this item's raw rows (prep_stage)
     __syncthreads(); // and the previous item's stores of w and u read sQ and sV
 
