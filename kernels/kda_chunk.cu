@@ -153,26 +153,30 @@ __device__ __forceinline__ void frag_a_tile(const float* a, int ld, kda_u32 (&h)
 #endif
 }
 
-// acc += A B for a warp's 16 rows and NT 8-column tiles on the tensor cores (3xTF32), the A
-// fragments shared by the tiles: A's rows from a (row-major in shared memory as frag_a_tile
-// takes it, the warp's first row), kn columns of it (a multiple of 8); tile nt's kn rows of B
-// from b[nt] (row stride ldb[nt], the tile's first column), skipped where on[nt] is false.
-// Accumulator e of tile nt is (row g + 8 (e / 2), column 2 t4 + e % 2 of the tile).
+// acc += A B for a warp's 16 rows and 8 NT columns of B on the tensor cores (3xTF32): NT
+// interleaved m16n8k8 tiles sharing the A fragments. A's rows from a (row-major in shared
+// memory as frag_a_tile takes it, the warp's first row), kn columns of it (a multiple of 8);
+// B's kn rows from b (row stride ldb, in shared memory, b and ldb aligned to NT floats). Tile
+// nt's column j is b's column NT j + nt, so that a lane's B elements of all tiles are adjacent
+// (one NT-wide load a row; as 8-column tiles side by side they were NT loads) and its
+// accumulators adjacent columns: see frag_row.
 template <int NT>
-__device__ __forceinline__ void warp_product_tiles(float (&acc)[NT][4], const float* a, int lda,
-                                                   const float* const (&b)[NT], const int (&ldb)[NT],
-                                                   const bool (&on)[NT], int kn, int g, int t4) {
+__device__ __forceinline__ void warp_product(float (&acc)[NT][4], const float* a, int lda, const float* b, int ldb,
+                                             int kn, int g, int t4) {
+    static_assert(NT == 1 || NT == 2 || NT == 4, "warp_product: 1, 2 or 4 tiles");
     float s1[NT][4] = {}, s2[NT][4] = {};
 #pragma unroll 4
     for (int k0 = 0; k0 < kn; k0 += 8) {
         kda_u32 ah[4], al[4];
         frag_a_tile(a + k0, lda, ah, al);
+        float b0[NT], b1[NT];
+        kda_load_vec<float, NT>(b + (k0 + t4) * ldb + NT * g, b0);
+        kda_load_vec<float, NT>(b + (k0 + t4 + 4) * ldb + NT * g, b1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            if (!on[nt]) continue;
             kda_u32 bh0, bl0, bh1, bl1;
-            tf32_split_fast(b[nt][(k0 + t4) * ldb[nt] + g], bh0, bl0);
-            tf32_split_fast(b[nt][(k0 + t4 + 4) * ldb[nt] + g], bh1, bl1);
+            tf32_split_fast(b0[nt], bh0, bl0);
+            tf32_split_fast(b1[nt], bh1, bl1);
             mma_3xtf32_apart(acc[nt], s1[nt], s2[nt], ah, al, bh0, bh1, bl0, bl1);
         }
     }
@@ -182,16 +186,55 @@ __device__ __forceinline__ void warp_product_tiles(float (&acc)[NT][4], const fl
         for (int e = 0; e < 4; ++e) acc[nt][e] += s1[nt][e] + s2[nt][e];
 }
 
-// The same for NT adjacent tiles of one B (row stride ldb, the first tile's first column at b).
+// A lane's accumulators of warp_product<NT> in its row g + 8 h, in column order: x[c] is column
+// 2 NT t4 + c of the product (c < 2 NT).
 template <int NT>
-__device__ __forceinline__ void warp_product(float (&acc)[NT][4], const float* a, int lda, const float* b, int ldb,
-                                             int kn, int g, int t4) {
-    const float* bt[NT];
-    int ld[NT];
-    bool on[NT];
+__device__ __forceinline__ void frag_row(const float (&acc)[NT][4], int h, float (&x)[2 * NT]) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) bt[nt] = b + 8 * nt, ld[nt] = ldb, on[nt] = true;
-    warp_product_tiles<NT>(acc, a, lda, bt, ld, on, kn, g, t4);
+    for (int c = 0; c < 2 * NT; ++c) x[c] = acc[c % NT][2 * h + c / NT];
+}
+
+// x = y (SUB: x -= y) for a lane's elements of warp_product<NT>'s product y, in rows g and g + 8
+// of x (row stride rs, 8 NT columns; x and rs aligned to 2 NT floats).
+template <int NT, bool SUB>
+__device__ __forceinline__ void frag_rows_to(float* x, int rs, const float (&y)[NT][4], int g, int t4) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float v[2 * NT];
+        frag_row<NT>(y, h, v);
+        float* xr = x + (g + 8 * h) * rs + 2 * NT * t4;
+#pragma unroll
+        for (int c0 = 0; c0 < 2 * NT; c0 += 4) { // 16 bytes at most a load and store
+            constexpr int W = 2 * NT < 4 ? 2 * NT : 4;
+            float o[W];
+            if constexpr (SUB) kda_load_vec<float, W>(xr + c0, o);
+#pragma unroll
+            for (int c = 0; c < W; ++c) {
+                if constexpr (SUB)
+                    o[c] -= v[c0 + c];
+                else
+                    o[c] = v[c0 + c];
+            }
+            kda_store_vec<float, W>(xr + c0, o);
+        }
+    }
+}
+
+// kda_chunk_prep's step 5 for one warp's 8 NT columns x of [w | u] (row stride rs): block after
+// block I, R_I = rhs_I - Akk_{I,<I} x_{<I}, then x_I = T_I R_I, in place.
+template <int NT>
+__device__ __forceinline__ void prep_solve_cols(float* x, int rs, const float* sA, const float* sT, int g, int t4) {
+    for (int i0 = 0; i0 < BT; i0 += BC) {
+        float r[NT][4] = {};
+        warp_product<NT>(r, sA + i0 * CA, CA, x, rs, i0, g, t4);
+        frag_rows_to<NT, true>(x + i0 * rs, rs, r, g, t4);
+        KDA_SYNCWARP(); // R_I in place, for the B fragments
+        float y[NT][4] = {};
+        warp_product<NT>(y, sT + i0 * TS, TS, x + i0 * rs, rs, BC, g, t4);
+        KDA_SYNCWARP(); // every lane has read R_I
+        frag_rows_to<NT, false>(x + i0 * rs, rs, y, g, t4);
+        KDA_SYNCWARP(); // x_I in place, for the next blocks' B fragments
+    }
 }
 
 // Offset of state element (k, v) in a head of the pool's layout.
@@ -671,9 +714,9 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
     // 5. w and u: (I + Akk) x = rhs in blocks of BC rows, on the tensor cores (3xTF32, f32
     //    accuracy). First T_I = (I + Akk_II)^-1 of each diagonal block, one thread per block
     //    and column, by substitution (Akk is strictly lower: unit diagonal). Then each warp
-    //    takes 8-column tiles of [w | u] (two at a time, sharing the A fragments) and solves
-    //    them block after block, in place in sQ and sV: R_I = rhs_I - Akk_{I,<I} x_{<I}, x_I =
-    //    T_I R_I. A warp owns its tiles' columns, so blocks wait on warp syncs, not barriers.
+    //    takes 16 columns of [w | u] (two interleaved tiles, warp_product<2>) and solves them
+    //    block after block, in place in sQ and sV (prep_solve_cols). A warp owns its columns,
+    //    so blocks wait on warp syncs, not barriers.
     //    (Row by row on the CUDA cores, two lanes per column, this step took a quarter of the
     //    kernel: fifty-ninth session.)
     {
@@ -692,55 +735,15 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
         }
         __syncthreads();
         const int g = lane >> 2, t4 = lane & 3;
-        constexpr int NT = (K + V) / 8; // tiles of [w | u] (K % 16 == 0, V % 8 == 0)
-        for (int t0 = warp; t0 < NT; t0 += 2 * nwarps) {
-            float* x[2];
-            int rs[2];
-            bool on[2];
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                const int col = 8 * (t0 + m * nwarps);
-                on[m] = t0 + m * nwarps < NT;
-                x[m] = col < K ? sQ + col : sV + (col - K);
-                rs[m] = col < K ? CK : CV;
-            }
-            for (int i0 = 0; i0 < BT; i0 += BC) {
-                // R_I = rhs_I - Akk_{I,<I} x_{<I} (accumulators: rows i0 + g (+ 8), columns 2 t4 (+ 1))
-                float r[2][4];
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) r[m][e] = 0.0f;
-                const float* const xb[2] = {x[0], x[1]};
-                warp_product_tiles(r, sA + i0 * CA, CA, xb, rs, on, i0, g, t4);
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    if (!on[m]) continue;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float* xe = x[m] + (i0 + g + 8 * (e >> 1)) * rs[m] + 2 * t4 + (e & 1);
-                        *xe -= r[m][e];
-                    }
-                }
-                KDA_SYNCWARP(); // R_I in place, for the B fragments
-                // x_I = T_I R_I
-                float y[2][4];
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) y[m][e] = 0.0f;
-                const float* const xi[2] = {x[0] + i0 * rs[0], x[1] + i0 * rs[1]};
-                warp_product_tiles(y, sT + i0 * TS, TS, xi, rs, on, BC, g, t4);
-                KDA_SYNCWARP(); // every lane has read R_I
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    if (!on[m]) continue;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        x[m][(i0 + g + 8 * (e >> 1)) * rs[m] + 2 * t4 + (e & 1)] = y[m][e];
-                }
-                KDA_SYNCWARP(); // x_I in place, for the next blocks' B fragments
-            }
+        // a warp's 16 columns of [w | u] (K % 16 == 0: all of w or all of u; V % 16 == 8: u's
+        // last 8 alone)
+        for (int c0 = 16 * warp; c0 < K + V; c0 += 16 * nwarps) {
+            float* x = c0 < K ? sQ + c0 : sV + (c0 - K);
+            const int rs = c0 < K ? CK : CV;
+            if ((K + V) % 16 == 0 || c0 + 16 <= K + V)
+                prep_solve_cols<2>(x, rs, sA, sT, g, t4);
+            else
+                prep_solve_cols<1>(x, rs, sA, sT, g, t4);
         }
         __syncthreads();
         // w and u to the scratch, row by row (16 bytes per thread and store)
@@ -882,31 +885,34 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
         warp_product<NTA>(ws, tW + r0 * CK, CK, sS + ca, SS, K, g, t4);
         float* U = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0;
 #pragma unroll
-        for (int nt = 0; nt < NTA; ++nt)
+        for (int h2 = 0; h2 < 2; ++h2) {
+            constexpr int W = 2 * NTA; // the lane's adjacent columns of a row (frag_row)
+            const int i = r0 + g + 8 * h2, cc = ca + W * t4;
+            const bool on = cc < nv; // nv % 8 == 0, cc % W == 0: all W columns or none
+            float n[W], u[W] = {};
+            frag_row<NTA>(ws, h2, n);
+            if (on) kda_load_vec<float, W>(tU + i * NB + cc, u);
 #pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-                const int i = r0 + g + 8 * h2, cc = ca + 8 * nt + 2 * t4;
-                const bool on = cc < nv; // nv % 8 == 0: both columns or neither
-                const float n0 = on ? tU[i * NB + cc] - ws[nt][2 * h2] : 0.0f;
-                const float n1 = on ? tU[i * NB + cc + 1] - ws[nt][2 * h2 + 1] : 0.0f;
-                sN[i * SS + cc] = n0;
-                sN[i * SS + cc + 1] = n1;
-                if (on) *reinterpret_cast<float2*>(U + (size_t)i * V + cc) = make_float2(n0, n1);
-            }
+            for (int x = 0; x < W; ++x) n[x] = on ? u[x] - n[x] : 0.0f;
+            kda_store_vec<float, W>(sN + i * SS + cc, n);
+            if (on) kda_store_vec<float, W>(U + (size_t)i * V + cc, n);
+        }
         cp_async_wait<0>(); // group 2 of ch landed
         __syncthreads();
         issue(1, ch + 1); // tW, tU: phase A is done with them
 
         // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, 16 key rows per warp at a time
         for (int m0 = mc; m0 < K; m0 += 16 * CG) {
+            // two interleaved tiles, as warp_product<2>'s: acc[nt][e] is (key row m0 + g + 8 (e /
+            // 2), column cc0 + 4 t4 + 2 (e % 2) + nt)
             float acc[2][4];
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int k = m0 + g + 8 * (e >> 1), cc = cc0 + 8 * nt + 2 * t4 + (e & 1);
-                    acc[nt][e] = tG[k] * sS[k * SS + cc];
-                }
+            for (int h = 0; h < 2; ++h) {
+                const int k = m0 + g + 8 * h;
+                const float4 x = *reinterpret_cast<const float4*>(sS + k * SS + cc0 + 4 * t4);
+                acc[0][2 * h] = tG[k] * x.x, acc[1][2 * h] = tG[k] * x.y;
+                acc[0][2 * h + 1] = tG[k] * x.z, acc[1][2 * h + 1] = tG[k] * x.w;
+            }
             // (warp_product's loop with a transposed A, in place of this one, measured up to 2.5%
             // slower: sixtieth session)
             float s1[2][4] = {}, s2[2][4] = {};
@@ -915,11 +921,13 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
                 // A = (k exp(Gc_last - Gc))^T: element (key row, chunk row i) is KG[i][key]
                 kda_u32 ah[4], al[4];
                 frag_a_split_t(tK + (i0 + t4) * CK + m0 + g, CK, ah, al);
+                const float2 b0 = *reinterpret_cast<const float2*>(sN + (i0 + t4) * SS + cc0 + 2 * g);
+                const float2 b1 = *reinterpret_cast<const float2*>(sN + (i0 + t4 + 4) * SS + cc0 + 2 * g);
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt) {
                     kda_u32 bh0, bl0, bh1, bl1;
-                    tf32_split_fast(sN[(i0 + t4) * SS + cc0 + 8 * nt + g], bh0, bl0);
-                    tf32_split_fast(sN[(i0 + t4 + 4) * SS + cc0 + 8 * nt + g], bh1, bl1);
+                    tf32_split_fast(nt ? b0.y : b0.x, bh0, bl0);
+                    tf32_split_fast(nt ? b1.y : b1.x, bh1, bl1);
                     mma_3xtf32_apart(acc[nt], s1[nt], s2[nt], ah, al, bh0, bh1, bl0, bl1);
                 }
             }
@@ -928,13 +936,7 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[nt][e] += s1[nt][e] + s2[nt][e];
             // (the warp's own rows of sS: phase A's reads of them are behind the barrier above)
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int k = m0 + g + 8 * (e >> 1), cc = cc0 + 8 * nt + 2 * t4 + (e & 1);
-                    sS[k * SS + cc] = acc[nt][e];
-                }
+            frag_rows_to<2, false>(sS + m0 * SS + cc0, SS, acc, g, t4);
         }
         __syncthreads(); // phase C is done with tK, tG (and sS is whole, for the next chunk)
         issue(2, ch + 1);
@@ -1016,15 +1018,22 @@ extern "C" __global__ void __launch_bounds__(kda::OUT_THREADS) kda_chunk_out(con
     // + Aqk v_new (Aqk is 0 right of the diagonal: the warp's k-steps end at its rows)
     warp_product<NT>(o, tA + r0 * CA, CA, sN + cb, OSS, r0 + 16, g, t4);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int h2 = 0; h2 < 2; ++h2) {
+        constexpr int W = 2 * NT, WS = 16 / sizeof(IT) < W ? 16 / sizeof(IT) : W; // columns; a store's
+        const int i = r0 + g + 8 * h2, cc = cb + W * t4;
+        if (i < len && cc < nv) { // nv % 8 == 0, cc % 8 == 0: all W columns or none
+            float x[W];
+            frag_row<NT>(o, h2, x);
+            IT* dst = reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v0 + cc;
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-            const int i = r0 + g + 8 * h2, cc = cb + 8 * nt + 2 * t4;
-            if (i < len && cc < nv) {
-                const IT x[2] = {KdaElem<IT>::from_f32(o[nt][2 * h2]), KdaElem<IT>::from_f32(o[nt][2 * h2 + 1])};
-                kda_store_vec<IT, 2>(reinterpret_cast<IT*>(p.out) + ((tok0 + (size_t)i) * p.hv + hv) * V + v0 + cc, x);
+            for (int c0 = 0; c0 < W; c0 += WS) {
+                IT y[WS];
+#pragma unroll
+                for (int c = 0; c < WS; ++c) y[c] = KdaElem<IT>::from_f32(x[c0 + c]);
+                kda_store_vec<IT, WS>(dst + c0, y);
             }
         }
+    }
 }
 
 // After a chunked prefill's last window on a pool with a ring: each sequence's ring left empty
