@@ -375,24 +375,22 @@ __device__ __forceinline__ PrepRaw prep_raw(float* sK, float* sG) {
 __device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& it, float* sK, float* sG, int tid,
                                            int nt) {
     const PrepRaw raw = prep_raw(sK, sG);
-    IT *rk = raw.k, *rq = raw.q, *rg = raw.g, *rv = raw.v;
-    float* rb = raw.bias;
     const size_t h = it.hv / (p.hv / p.h);
     constexpr int EK = K / 8, EV = V / 8; // 16-byte pieces of a row
     for (int e = tid; e < it.len * EK; e += nt) {
         const int t = e / EK, x = 8 * (e - t * EK);
         const size_t tok = it.tok0 + (size_t)t;
-        cp_async16(rk + t * K + x, reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K + x);
-        cp_async16(rq + t * K + x, reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K + x);
-        cp_async16(rg + t * K + x, reinterpret_cast<const IT*>(p.g) + (tok * p.hv + it.hv) * K + x);
+        cp_async16(raw.k + t * K + x, reinterpret_cast<const IT*>(p.k) + (tok * p.h + h) * K + x);
+        cp_async16(raw.q + t * K + x, reinterpret_cast<const IT*>(p.q) + (tok * p.h + h) * K + x);
+        cp_async16(raw.g + t * K + x, reinterpret_cast<const IT*>(p.g) + (tok * p.hv + it.hv) * K + x);
     }
     for (int e = tid; e < it.len * EV; e += nt) {
         const int t = e / EV, x = 8 * (e - t * EV);
-        cp_async16(rv + t * V + x, reinterpret_cast<const IT*>(p.v) + ((it.tok0 + (size_t)t) * p.hv + it.hv) * V + x);
+        cp_async16(raw.v + t * V + x, reinterpret_cast<const IT*>(p.v) + ((it.tok0 + (size_t)t) * p.hv + it.hv) * V + x);
     }
     if (p.gate_mode)
         for (int e = tid; e < K / 4; e += nt)
-            cp_async16(rb + 4 * e, reinterpret_cast<const float*>(p.dt_bias) + (size_t)it.hv * K + 4 * e);
+            cp_async16(raw.bias + 4 * e, reinterpret_cast<const float*>(p.dt_bias) + (size_t)it.hv * K + 4 * e);
     cp_async_commit();
 }
 
