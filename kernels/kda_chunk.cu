@@ -900,16 +900,30 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
         issue(1, ch + 1); // tW, tU: phase A is done with them
 
         // C. S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new, 16 key rows per warp at a time
+        // The wide CTA's two tiles interleaved, as warp_product<2>'s: acc[nt][e] is (key row m0 + g
+        // + 8 (e / 2), column cc0 + 4 t4 + 2 (e % 2) + nt). The narrow CTA's side by side (column
+        // cc0 + 8 nt + 2 t4 + e % 2), each tile's B elements loaded in the tile loop: interleaved,
+        // it took 117 registers instead of 80 and its prefills ran 1.5-2% slower (sixty-sixth
+        // session).
+        constexpr bool INTER = NB == BV;
         for (int m0 = mc; m0 < K; m0 += 16 * CG) {
-            // two interleaved tiles, as warp_product<2>'s: acc[nt][e] is (key row m0 + g + 8 (e /
-            // 2), column cc0 + 4 t4 + 2 (e % 2) + nt)
             float acc[2][4];
+            if constexpr (INTER) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int k = m0 + g + 8 * h;
-                const float4 x = *reinterpret_cast<const float4*>(sS + k * SS + cc0 + 4 * t4);
-                acc[0][2 * h] = tG[k] * x.x, acc[1][2 * h] = tG[k] * x.y;
-                acc[0][2 * h + 1] = tG[k] * x.z, acc[1][2 * h + 1] = tG[k] * x.w;
+                for (int h = 0; h < 2; ++h) {
+                    const int k = m0 + g + 8 * h;
+                    const float4 x = *reinterpret_cast<const float4*>(sS + k * SS + cc0 + 4 * t4);
+                    acc[0][2 * h] = tG[k] * x.x, acc[1][2 * h] = tG[k] * x.y;
+                    acc[0][2 * h + 1] = tG[k] * x.z, acc[1][2 * h + 1] = tG[k] * x.w;
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int k = m0 + g + 8 * (e >> 1);
+                        acc[nt][e] = tG[k] * sS[k * SS + cc0 + 8 * nt + 2 * t4 + (e & 1)];
+                    }
             }
             // (warp_product's loop with a transposed A, in place of this one, measured up to 2.5%
             // slower: sixtieth session)
@@ -919,13 +933,21 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
                 // A = (k exp(Gc_last - Gc))^T: element (key row, chunk row i) is KG[i][key]
                 kda_u32 ah[4], al[4];
                 frag_a_split_t(tK + (i0 + t4) * CK + m0 + g, CK, ah, al);
-                const float2 b0 = *reinterpret_cast<const float2*>(sN + (i0 + t4) * SS + cc0 + 2 * g);
-                const float2 b1 = *reinterpret_cast<const float2*>(sN + (i0 + t4 + 4) * SS + cc0 + 2 * g);
+                float2 b0 = {}, b1 = {};
+                if constexpr (INTER) {
+                    b0 = *reinterpret_cast<const float2*>(sN + (i0 + t4) * SS + cc0 + 2 * g);
+                    b1 = *reinterpret_cast<const float2*>(sN + (i0 + t4 + 4) * SS + cc0 + 2 * g);
+                }
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt) {
                     kda_u32 bh0, bl0, bh1, bl1;
-                    tf32_split_fast(nt ? b0.y : b0.x, bh0, bl0);
-                    tf32_split_fast(nt ? b1.y : b1.x, bh1, bl1);
+                    if constexpr (INTER) {
+                        tf32_split_fast(nt ? b0.y : b0.x, bh0, bl0);
+                        tf32_split_fast(nt ? b1.y : b1.x, bh1, bl1);
+                    } else {
+                        tf32_split_fast(sN[(i0 + t4) * SS + cc0 + 8 * nt + g], bh0, bl0);
+                        tf32_split_fast(sN[(i0 + t4 + 4) * SS + cc0 + 8 * nt + g], bh1, bl1);
+                    }
                     mma_3xtf32_apart(acc[nt], s1[nt], s2[nt], ah, al, bh0, bh1, bl0, bl1);
                 }
             }
@@ -934,7 +956,15 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[nt][e] += s1[nt][e] + s2[nt][e];
             // (the warp's own rows of sS: phase A's reads of them are behind the barrier above)
-            frag_rows_to<2, false>(sS + m0 * SS + cc0, SS, acc, g, t4);
+            if constexpr (INTER) {
+                frag_rows_to<2, false>(sS + m0 * SS + cc0, SS, acc, g, t4);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        sS[(m0 + g + 8 * (e >> 1)) * SS + cc0 + 8 * nt + 2 * t4 + (e & 1)] = acc[nt][e];
+            }
         }
         __syncthreads(); // phase C is done with tK, tG (and sS is whole, for the next chunk)
         issue(2, ch + 1);
