@@ -906,6 +906,10 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
         // it took 117 registers instead of 80 and its prefills ran 1.5-2% slower (sixty-sixth
         // session).
         constexpr bool INTER = NB == BV;
+        // the narrow CTA's element (nt, e) of the tiles at key row m0: its offset in sS
+        const auto side_at = [&](int m0, int nt, int e) {
+            return (m0 + g + 8 * (e >> 1)) * SS + cc0 + 8 * nt + 2 * t4 + (e & 1);
+        };
         for (int m0 = mc; m0 < K; m0 += 16 * CG) {
             float acc[2][4];
             if constexpr (INTER) {
@@ -920,10 +924,7 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int k = m0 + g + 8 * (e >> 1);
-                        acc[nt][e] = tG[k] * sS[k * SS + cc0 + 8 * nt + 2 * t4 + (e & 1)];
-                    }
+                    for (int e = 0; e < 4; ++e) acc[nt][e] = tG[m0 + g + 8 * (e >> 1)] * sS[side_at(m0, nt, e)];
             }
             // (warp_product's loop with a transposed A, in place of this one, measured up to 2.5%
             // slower: sixtieth session)
@@ -962,8 +963,7 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        sS[(m0 + g + 8 * (e >> 1)) * SS + cc0 + 8 * nt + 2 * t4 + (e & 1)] = acc[nt][e];
+                    for (int e = 0; e < 4; ++e) sS[side_at(m0, nt, e)] = acc[nt][e];
             }
         }
         __syncthreads(); // phase C is done with tK, tG (and sS is whole, for the next chunk)
