@@ -221,9 +221,11 @@ __device__ __forceinline__ void frag_rows_to(float* x, int rs, const float (&y)[
 }
 
 // kda_chunk_prep's step 5 for one warp's 8 NT columns x of [w | u] (row stride rs): block after
-// block I, R_I = rhs_I - Akk_{I,<I} x_{<I}, then x_I = T_I R_I, in place.
+// block I, R_I = rhs_I - Akk_{I,<I} x_{<I}, then x_I = T_I R_I, in place for the blocks after
+// it and to out (row stride os, in global memory: the scratch) from the tiles.
 template <int NT>
-__device__ __forceinline__ void prep_solve_cols(float* x, int rs, const float* sA, const float* sT, int g, int t4) {
+__device__ __forceinline__ void prep_solve_cols(float* out, int os, float* x, int rs, const float* sA, const float* sT,
+                                                int g, int t4) {
     for (int i0 = 0; i0 < BT; i0 += BC) {
         float r[NT][4] = {};
         warp_product<NT>(r, sA + i0 * CA, CA, x, rs, i0, g, t4);
@@ -231,9 +233,12 @@ __device__ __forceinline__ void prep_solve_cols(float* x, int rs, const float* s
         KDA_SYNCWARP(); // R_I in place, for the B fragments
         float y[NT][4] = {};
         warp_product<NT>(y, sT + i0 * TS, TS, x + i0 * rs, rs, BC, g, t4);
-        KDA_SYNCWARP(); // every lane has read R_I
-        frag_rows_to<NT, false>(x + i0 * rs, rs, y, g, t4);
-        KDA_SYNCWARP(); // x_I in place, for the next blocks' B fragments
+        frag_rows_to<NT, false>(out + i0 * os, os, y, g, t4);
+        if (i0 + BC < BT) {
+            KDA_SYNCWARP(); // every lane has read R_I
+            frag_rows_to<NT, false>(x + i0 * rs, rs, y, g, t4);
+            KDA_SYNCWARP(); // x_I in place, for the next blocks' B fragments
+        }
     }
 }
 
@@ -400,9 +405,9 @@ __device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& i
 __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const KdaChunkParams& c,
                                            const PrepItem& it, PrepItem& next, bool more) {
     float* sK = csm;             // [BT][CK] activated keys (PREP_STAGED: first the raw k and q)
-    float* sQ = csm + PREP_Q;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w
+    float* sQ = csm + PREP_Q;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w (its blocks but the last)
     float* sG = csm + PREP_G;    // [BT][CK] log-decays; then Gc in log2 units (PREP_STAGED: first the raw g, v, dt_bias)
-    float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u
+    float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u (its blocks but the last)
     float* sA = csm + PREP_A;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
     float* sB = csm + PREP_B;    // [BT] beta
     float* sF = csm + PREP_F;    // [2 BC + BT - BC][CK] the factored rows and columns of Akk, Aqk
@@ -418,7 +423,7 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
     const IT* in_v = PREP_STAGED ? raw.v : reinterpret_cast<const IT*>(p.v);
     const float* bias = PREP_STAGED ? raw.bias : reinterpret_cast<const float*>(p.dt_bias) + (size_t)hv * K;
     if constexpr (PREP_STAGED) cp_async_wait<0>(); // this item's raw rows (prep_stage)
-    __syncthreads(); // and the previous item's stores of w and u read sQ and sV
+    __syncthreads(); // and the previous item's step 5 has read sQ and sV
 
     // 1. The chunk's raw rows, four channels per load and LB loads per thread and array in
     //    flight before any is used (one at a time, each waited on, this step took about a
@@ -734,26 +739,19 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
         __syncthreads();
         const int g = lane >> 2, t4 = lane & 3;
         // a warp's 16 columns of [w | u] (K % 16 == 0: all of w or all of u; V % 16 == 8: u's
-        // last 8 alone)
-        for (int c0 = 16 * warp; c0 < K + V; c0 += 16 * nwarps) {
-            float* x = c0 < K ? sQ + c0 : sV + (c0 - K);
-            const int rs = c0 < K ? CK : CV;
-            if ((K + V) % 16 == 0 || c0 + 16 <= K + V)
-                prep_solve_cols<2>(x, rs, sA, sT, g, t4);
-            else
-                prep_solve_cols<1>(x, rs, sA, sT, g, t4);
-        }
-        __syncthreads();
-        // w and u to the scratch, row by row (16 bytes per thread and store)
+        // last 8 alone), to the scratch from the tiles (32-byte row pieces: whole sectors; the
+        // next item's barrier orders these reads of sQ and sV before its writes)
         float* wout = reinterpret_cast<float*>(c.w) + chunk_block(p, ch, hv, (size_t)BT * K);
         float* uout = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
-        for (int e = tid; e < BT * K / 4; e += PREP_THREADS) {
-            const int t = 4 * e / K, kk = 4 * e - t * K;
-            *reinterpret_cast<float4*>(wout + 4 * e) = *reinterpret_cast<const float4*>(sQ + t * CK + kk);
-        }
-        for (int e = tid; e < BT * V / 4; e += PREP_THREADS) {
-            const int t = 4 * e / V, cv = 4 * e - t * V;
-            *reinterpret_cast<float4*>(uout + 4 * e) = *reinterpret_cast<const float4*>(sV + t * CV + cv);
+        for (int c0 = 16 * warp; c0 < K + V; c0 += 16 * nwarps) {
+            const bool of_w = c0 < K;
+            float* x = of_w ? sQ + c0 : sV + (c0 - K);
+            float* out = of_w ? wout + c0 : uout + (c0 - K);
+            const int rs = of_w ? CK : CV, os = of_w ? K : V;
+            if ((K + V) % 16 == 0 || c0 + 16 <= K + V)
+                prep_solve_cols<2>(out, os, x, rs, sA, sT, g, t4);
+            else
+                prep_solve_cols<1>(out, os, x, rs, sA, sT, g, t4);
         }
     }
 }
