@@ -405,9 +405,9 @@ __device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& i
 __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const KdaChunkParams& c,
                                            const PrepItem& it, PrepItem& next, bool more) {
     float* sK = csm;             // [BT][CK] activated keys (PREP_STAGED: first the raw k and q)
-    float* sQ = csm + PREP_Q;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w (its blocks but the last)
+    float* sQ = csm + PREP_Q;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w's first blocks
     float* sG = csm + PREP_G;    // [BT][CK] log-decays; then Gc in log2 units (PREP_STAGED: first the raw g, v, dt_bias)
-    float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u (its blocks but the last)
+    float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u's first blocks
     float* sA = csm + PREP_A;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
     float* sB = csm + PREP_B;    // [BT] beta
     float* sF = csm + PREP_F;    // [2 BC + BT - BC][CK] the factored rows and columns of Akk, Aqk
@@ -718,10 +718,13 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
     //    accuracy). First T_I = (I + Akk_II)^-1 of each diagonal block, one thread per block
     //    and column, by substitution (Akk is strictly lower: unit diagonal). Then each warp
     //    takes 16 columns of [w | u] (two interleaved tiles, warp_product<2>) and solves them
-    //    block after block, in place in sQ and sV (prep_solve_cols). A warp owns its columns,
-    //    so blocks wait on warp syncs, not barriers.
+    //    block after block, in place in sQ and sV for the blocks after it and from the tiles
+    //    to the scratch (prep_solve_cols). A warp owns its columns, so blocks wait on warp
+    //    syncs, not barriers.
     //    (Row by row on the CUDA cores, two lanes per column, this step took a quarter of the
-    //    kernel: fifty-ninth session.)
+    //    kernel: fifty-ninth session. The scratch's w and u copied out of sQ and sV after a
+    //    barrier cost 1% of the prefill; T = (I + Akk)^-1 formed first, then every block row of
+    //    x = T rhs at once, 2% more: sixty-seventh session.)
     {
         float* sT = sF; // [BT / BC][BC][TS] the inverses T_I (sF is free after step 3)
         for (int e = tid; e < BT; e += PREP_THREADS) {
