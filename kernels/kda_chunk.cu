@@ -25,7 +25,9 @@
 struct KdaChunkParams {
     kda_u64 chunks;               // u32 [n_chunks][2]: first token, tokens (1..=BT)
     kda_u64 pieces;               // u32 [n_pieces][4]: first chunk, chunks, sequence, flags
-    kda_u64 w, qg, kg, u, aqk, gl; // f32 scratch, per (chunk, value head): [BT][K] x 3, [BT][V], [BT][BT], [K]
+    // f32 scratch, per (chunk, value head): w, kg [BT][SK] (as swz lays them out), qg [BT][K], u [BT][V],
+    // aqk [BT][BT], gl [K]
+    kda_u64 w, qg, kg, u, aqk, gl;
     kda_u64 hs;                   // f32 scratch, per (chunk, value head): [K][V] the state at the chunk's start
     kda_u64 carry;                // f32 [HV][K][V]: the state of the sequence a window leaves open
     kda_u64 prep_items;           // kda_chunk_prep's (chunk, value head) items: the window's chunks x HV
@@ -50,6 +52,11 @@ constexpr int OBV = 64;                // value columns per kda_chunk_out CTA
 constexpr int OSS = OBV + 8;           // smem row stride of its state's and v_new's columns
 constexpr int OUT_THREADS = 256;       // one warp per 16 chunk rows and 32 value columns
 constexpr float LOG2E = 1.4426950408889634f;
+// w and k exp(Gc_last - Gc): their rows in the scratch and in kda_chunk_state's tW, tK. Where
+// K % 32 == 0 (SWZ), rows of K floats, dense, each row's 16-byte pieces permuted as swz lays
+// them out; else rows of CK, as in shared memory elsewhere.
+constexpr bool SWZ = K % 32 == 0;
+constexpr int SK = SWZ ? K : CK;
 // Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB, sF (step 3's
 // factored columns of the diagonal blocks, then its factored rows and columns of the blocks left
 // of them, then step 5's inverses of the diagonal blocks).
@@ -61,7 +68,7 @@ constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT 
 // = 128). kda_chunk_out: sS, sN (OBV columns), tQ, tA.
 template <int NB> struct StateCols {
     static constexpr int SS = NB + 8;
-    static constexpr int N = K * SS, W = N + BT * SS, KG = W + BT * CK, U = KG + BT * CK, G = U + BT * NB, END = G + K;
+    static constexpr int N = K * SS, W = N + BT * SS, KG = W + BT * SK, U = KG + BT * SK, G = U + BT * NB, END = G + K;
 };
 constexpr int OUT_N = K * OSS, OUT_Q = OUT_N + BT * OSS, OUT_A = OUT_Q + BT * CK, OUT_END = OUT_A + BT * CA;
 static_assert(STATE_THREADS == 32 * (BT / 16) * 2, "kda_chunk_state: four warps per column half");
@@ -73,6 +80,15 @@ static_assert(PREP_THREADS % BT == 0 && PREP_THREADS % (BT / BC) == 0 && PREP_TH
 // longer reads: 2-byte inputs whose raw rows fit there, each thread's share of them read in one
 // pass of step 1 (its registers hold them across the barrier before the f32 rows overwrite
 // them). At one CTA per SM an item's loads waited on DRAM: about a fifth of the kernel.
+// Whether kda_chunk_state copies a chunk's w and k exp(Gc_last - Gc) as bulk copies (sm_90's
+// cp.async.bulk on an mbarrier; and the offline emulator, through their plain stand-ins), else
+// by cp.async from every thread.
+#if (!defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900) || \
+    defined(KDA_EMU_MMA_TF32)
+constexpr bool STATE_BULK = true;
+#else
+constexpr bool STATE_BULK = false;
+#endif
 constexpr bool PREP_STAGED = sizeof(IT) == 2 && BT * K <= 16 * PREP_THREADS && BT * V <= 16 * PREP_THREADS &&
                              2 * BT * (K + V) + 4 * K <= 4 * BT * CK && K % 8 == 0 && V % 8 == 0;
 
@@ -107,6 +123,21 @@ __device__ __forceinline__ size_t chunk_block(const KdaParams& p, kda_u32 ch, kd
     return ((size_t)ch * p.hv + hv) * per;
 }
 
+// The offset of element (r, c) of a [BT][SK] block of w or k exp(Gc_last - Gc). With SWZ, row
+// r's 16-byte piece c / 4 lies at piece (c / 4) ^ swz_f(r % 8), swz_f = 0 2 4 6 1 3 5 7: one
+// piece of eight consecutive rows (phase A's ldmatrix) and two adjacent pieces of rows t4 or
+// t4 + 4, t4 < 4 (phase C's transposed fragments) fall in eight different bank quads, while
+// the block stays dense: rows in whole 128-byte lines. (Rows of CK in the scratch, every other
+// one 16 bytes past a line, ran kda_chunk_state_narrow 25% longer where it read them with
+// cp.async: sixty-eighth session.)
+__device__ __forceinline__ int swz_f(int r) { return ((r & 3) << 1) | ((r >> 2) & 1); }
+__device__ __forceinline__ int swz(int r, int c) {
+    if constexpr (SWZ)
+        return r * SK + (((c >> 2) ^ swz_f(r)) << 2) + (c & 3);
+    else
+        return r * SK + c;
+}
+
 // ROWS rows of `width` floats (a multiple of 4, at most WIDTH) from src (row stride ss) to dst
 // (row stride DS), 16 bytes per cp.async, by the CTA's NT threads. Where NT is a multiple of
 // the pieces per row, each thread keeps one column and steps down the rows by constant
@@ -134,22 +165,55 @@ __device__ __forceinline__ void copy_rows(float* dst, const float* src, size_t s
     }
 }
 
-// The A fragment of the m16n8k8 tile at a (row-major, row stride ld, in shared memory, 16-byte
-// aligned rows) split as frag_a_split does: one ldmatrix.x4 where the device has it (a tf32
-// row of four is a b16 row of eight; matrix m from lanes 8 m .. 8 m + 7 gives register m), in
-// place of four 4-byte loads (the chunk kernels' products: sixty-fourth session).
-__device__ __forceinline__ void frag_a_tile(const float* a, int ld, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
-    const int lane = threadIdx.x & 31;
 #if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const float* row = a + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 4 * (lane >> 4);
+#define KDA_LDMATRIX 1
+// frag_a_tile's ldmatrix.x4, row: the lane's row address (a tf32 row of four is a b16 row of
+// eight; matrix m from lanes 8 m .. 8 m + 7 gives register m), split into tf32 hi parts and rests.
+__device__ __forceinline__ void ldmatrix_split(const float* row, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
     kda_u32 x[4];
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
                  : "r"(smem_addr(row)));
 #pragma unroll
     for (int i = 0; i < 4; ++i) tf32_split_fast(__uint_as_float(x[i]), h[i], l[i]);
+}
 #else
-    frag_a_split(a + (lane >> 2) * ld + (lane & 3), ld, h, l);
+#define KDA_LDMATRIX 0
+#endif
+
+// The A fragment of the m16n8k8 tile at a (row-major, row stride ld, in shared memory, 16-byte
+// aligned rows), split into tf32 hi parts and rests (the lane's (g, t4), (g + 8, t4), (g, t4 +
+// 4), (g + 8, t4 + 4)): one ldmatrix.x4 where the device has it, in place of four 4-byte loads
+// (the chunk kernels' products: sixty-fourth session).
+__device__ __forceinline__ void frag_a_tile(const float* a, int ld, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
+    const int lane = threadIdx.x & 31;
+#if KDA_LDMATRIX
+    ldmatrix_split(a + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 4 * (lane >> 4), h, l);
+#else
+    const float* p = a + (lane >> 2) * ld + (lane & 3);
+    tf32_split_fast(p[0], h[0], l[0]);
+    tf32_split_fast(p[8 * ld], h[1], l[1]);
+    tf32_split_fast(p[4], h[2], l[2]);
+    tf32_split_fast(p[8 * ld + 4], h[3], l[3]);
+#endif
+}
+
+// frag_a_tile's fragment at column k0 (a multiple of 8) of a [BT][SK] block laid out as swz
+// does (a: the tile's first row, one at a multiple of 8 in the block; ld = SK).
+__device__ __forceinline__ void frag_a_tile_swz(const float* a, int ld, int k0, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
+    const int lane = threadIdx.x & 31;
+#if KDA_LDMATRIX
+    const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
+    ldmatrix_split(a + r * ld + ((((k0 >> 2) + (lane >> 4)) ^ swz_f(lane & 7)) << 2), h, l);
+#else
+    const int g = lane >> 2, t4 = lane & 3, f = swz_f(g); // rows g and g + 8: the same swz_f
+    const float* r0 = a + g * ld;
+    const float* r1 = r0 + 8 * ld;
+    const int c0 = (((k0 >> 2) ^ f) << 2) + t4, c1 = ((((k0 >> 2) + 1) ^ f) << 2) + t4;
+    tf32_split_fast(r0[c0], h[0], l[0]);
+    tf32_split_fast(r1[c0], h[1], l[1]);
+    tf32_split_fast(r0[c1], h[2], l[2]);
+    tf32_split_fast(r1[c1], h[3], l[3]);
 #endif
 }
 
@@ -159,8 +223,9 @@ __device__ __forceinline__ void frag_a_tile(const float* a, int ld, kda_u32 (&h)
 // B's kn rows from b (row stride ldb, in shared memory, b and ldb aligned to NT floats). Tile
 // nt's column j is b's column NT j + nt, so that a lane's B elements of all tiles are adjacent
 // (one NT-wide load a row; as 8-column tiles side by side they were NT loads) and its
-// accumulators adjacent columns: see frag_row.
-template <int NT>
+// accumulators adjacent columns: see frag_row. ASW: A is a [BT][SK] block laid out as swz does
+// (frag_a_tile_swz).
+template <int NT, bool ASW = false>
 __device__ __forceinline__ void warp_product(float (&acc)[NT][4], const float* a, int lda, const float* b, int ldb,
                                              int kn, int g, int t4) {
     static_assert(NT == 1 || NT == 2 || NT == 4, "warp_product: 1, 2 or 4 tiles");
@@ -168,7 +233,10 @@ __device__ __forceinline__ void warp_product(float (&acc)[NT][4], const float* a
 #pragma unroll 4
     for (int k0 = 0; k0 < kn; k0 += 8) {
         kda_u32 ah[4], al[4];
-        frag_a_tile(a + k0, lda, ah, al);
+        if constexpr (ASW)
+            frag_a_tile_swz(a, lda, k0, ah, al);
+        else
+            frag_a_tile(a + k0, lda, ah, al);
         float b0[NT], b1[NT];
         kda_load_vec<float, NT>(b + (k0 + t4) * ldb + NT * g, b0);
         kda_load_vec<float, NT>(b + (k0 + t4 + 4) * ldb + NT * g, b1);
@@ -222,10 +290,11 @@ __device__ __forceinline__ void frag_rows_to(float* x, int rs, const float (&y)[
 
 // kda_chunk_prep's step 5 for one warp's 8 NT columns x of [w | u] (row stride rs): block after
 // block I, R_I = rhs_I - Akk_{I,<I} x_{<I}, then x_I = T_I R_I, in place for the blocks after
-// it and to out (row stride os, in global memory: the scratch) from the tiles.
+// it and to out (global memory: the scratch; column oc, row stride os, or with sw (NT == 2) a
+// [BT][SK] block laid out as swz does) from the tiles.
 template <int NT>
-__device__ __forceinline__ void prep_solve_cols(float* out, int os, float* x, int rs, const float* sA, const float* sT,
-                                                int g, int t4) {
+__device__ __forceinline__ void prep_solve_cols(float* out, int os, int oc, bool sw, float* x, int rs, const float* sA,
+                                                const float* sT, int g, int t4) {
     for (int i0 = 0; i0 < BT; i0 += BC) {
         float r[NT][4] = {};
         warp_product<NT>(r, sA + i0 * CA, CA, x, rs, i0, g, t4);
@@ -233,7 +302,13 @@ __device__ __forceinline__ void prep_solve_cols(float* out, int os, float* x, in
         KDA_SYNCWARP(); // R_I in place, for the B fragments
         float y[NT][4] = {};
         warp_product<NT>(y, sT + i0 * TS, TS, x + i0 * rs, rs, BC, g, t4);
-        frag_rows_to<NT, false>(out + i0 * os, os, y, g, t4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v[2 * NT];
+            frag_row<NT>(y, h, v);
+            const int i = i0 + g + 8 * h, cc = oc + 2 * NT * t4;
+            kda_store_vec<float, 2 * NT>(sw ? out + swz(i, cc) : out + (size_t)i * os + cc, v);
+        }
         if (i0 + BC < BT) {
             KDA_SYNCWARP(); // every lane has read R_I
             frag_rows_to<NT, false>(x + i0 * rs, rs, y, g, t4);
@@ -668,9 +743,8 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
     // 4. q exp(Gc), k exp(Gc_last - Gc) and exp(Gc_last) to the scratch; the right-hand sides
     //    beta k exp(Gc) (over the queries) and beta v (in place).
     {
-        const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
-        float* qg = reinterpret_cast<float*>(c.qg) + kb;
-        float* kg = reinterpret_cast<float*>(c.kg) + kb;
+        float* qg = reinterpret_cast<float*>(c.qg) + chunk_block(p, ch, hv, (size_t)BT * K);
+        float* kg = reinterpret_cast<float*>(c.kg) + chunk_block(p, ch, hv, (size_t)BT * SK); // as swz lays it out
         float* gl = reinterpret_cast<float*>(c.gl) + chunk_block(p, ch, hv, K);
         for (int e = tid; e < BT * K / 4; e += PREP_THREADS) { // four channels at a time
             const int t = 4 * e / K, kk = 4 * e - t * K;
@@ -689,7 +763,7 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
                 orhs[i] = sB[t] * kx[i] * eg;
             }
             *reinterpret_cast<float4*>(qg + 4 * e) = make_float4(oq[0], oq[1], oq[2], oq[3]);
-            *reinterpret_cast<float4*>(kg + 4 * e) = make_float4(ok[0], ok[1], ok[2], ok[3]);
+            *reinterpret_cast<float4*>(kg + swz(t, kk)) = make_float4(ok[0], ok[1], ok[2], ok[3]);
             *reinterpret_cast<float4*>(sQ + t * CK + kk) = make_float4(orhs[0], orhs[1], orhs[2], orhs[3]);
             if (t == 0)
                 *reinterpret_cast<float4*>(gl + kk) =
@@ -744,17 +818,17 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
         // a warp's 16 columns of [w | u] (K % 16 == 0: all of w or all of u; V % 16 == 8: u's
         // last 8 alone), to the scratch from the tiles (32-byte row pieces: whole sectors; the
         // next item's barrier orders these reads of sQ and sV before its writes)
-        float* wout = reinterpret_cast<float*>(c.w) + chunk_block(p, ch, hv, (size_t)BT * K);
+        float* wout = reinterpret_cast<float*>(c.w) + chunk_block(p, ch, hv, (size_t)BT * SK); // as swz lays it out
         float* uout = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
         for (int c0 = 16 * warp; c0 < K + V; c0 += 16 * nwarps) {
             const bool of_w = c0 < K;
             float* x = of_w ? sQ + c0 : sV + (c0 - K);
-            float* out = of_w ? wout + c0 : uout + (c0 - K);
-            const int rs = of_w ? CK : CV, os = of_w ? K : V;
+            float* out = of_w ? wout : uout;
+            const int rs = of_w ? CK : CV, os = of_w ? SK : V, oc = of_w ? c0 : c0 - K;
             if ((K + V) % 16 == 0 || c0 + 16 <= K + V)
-                prep_solve_cols<2>(out, os, x, rs, sA, sT, g, t4);
-            else
-                prep_solve_cols<1>(out, os, x, rs, sA, sT, g, t4);
+                prep_solve_cols<2>(out, os, oc, of_w && SWZ, x, rs, sA, sT, g, t4);
+            else // (u's last 8 columns: SWZ's w is whole 16-column blocks)
+                prep_solve_cols<1>(out, os, oc, false, x, rs, sA, sT, g, t4);
         }
     }
 }
@@ -808,8 +882,8 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
     extern __shared__ __align__(16) float csm[]; // chunk_plan.rs's state_smem
     float* sS = csm;        // [K][SS] the state's columns v0 .. v0 + NB
     float* sN = csm + L::N;  // [BT][SS] v_new of the chunk
-    float* tW = csm + L::W;  // [BT][CK] w
-    float* tK = csm + L::KG; // [BT][CK] k exp(Gc_last - Gc)
+    float* tW = csm + L::W;  // [BT][SK] w, as swz lays it out
+    float* tK = csm + L::KG; // [BT][SK] k exp(Gc_last - Gc), as swz lays it out
     float* tU = csm + L::U;  // [BT][NB] u's columns v0 .. v0 + NB
     float* tG = csm + L::G;  // [K] exp(Gc_last)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -825,21 +899,52 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
 
     // The copies of chunk ch's group (1: w, u's columns; 2: k exp(Gc_last - Gc), exp(Gc_last)),
     // committed as one group; none past the piece's last chunk (an empty group, so every
-    // thread counts the same groups).
+    // thread counts the same groups). STATE_BULK: w, k exp(Gc_last - Gc) (each a contiguous
+    // [BT][SK] block) and exp(Gc_last) in one bulk copy each by thread 0, landing on the
+    // group's mbarrier (its phase j: the piece's chunk j); u's columns by cp.async from every
+    // thread. (Against cp.async from every thread: the wide kernel 15% faster, the narrow one
+    // 9%, sixty-eighth session; bulk copies of one row each, 193 a chunk, ran the state pass up
+    // to twice as long, sixty-seventh.)
+    __shared__ kda_u64 bars[2];
     auto issue = [&](int group, kda_u32 ch) {
         if (ch < c0 + nch) {
-            const size_t kb = chunk_block(p, ch, hv, (size_t)BT * K);
+            constexpr kda_u32 ROWS_BYTES = 4u * BT * SK;
             if (group == 1) {
-                copy_rows<BT, K, CK, STATE_THREADS>(tW, reinterpret_cast<const float*>(c.w) + kb, K);
+                const float* W = reinterpret_cast<const float*>(c.w) + chunk_block(p, ch, hv, (size_t)BT * SK);
+                if constexpr (STATE_BULK) {
+                    if (tid == 0) {
+                        bulk_bar_expect(bars, ROWS_BYTES);
+                        bulk_in(tW, W, ROWS_BYTES, bars);
+                    }
+                } else {
+                    copy_rows<BT, K, SK, STATE_THREADS>(tW, W, SK);
+                }
                 const float* U = reinterpret_cast<const float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V);
                 copy_rows<BT, NB, NB, STATE_THREADS>(tU, U + v0, V, nv); // V % 8 == 0: whole 16-byte pieces
             } else {
-                copy_rows<BT, K, CK, STATE_THREADS>(tK, reinterpret_cast<const float*>(c.kg) + kb, K);
-                copy_rows<1, K, K, STATE_THREADS>(tG, reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K), K);
+                const float* KG = reinterpret_cast<const float*>(c.kg) + chunk_block(p, ch, hv, (size_t)BT * SK);
+                const float* GL = reinterpret_cast<const float*>(c.gl) + chunk_block(p, ch, hv, K);
+                if constexpr (STATE_BULK) {
+                    if (tid == 0) {
+                        bulk_bar_expect(bars + 1, ROWS_BYTES + 4u * K);
+                        bulk_in(tK, KG, ROWS_BYTES, bars + 1);
+                        bulk_in(tG, GL, 4u * K, bars + 1); // K % 16 == 0: whole 16-byte pieces
+                    }
+                } else {
+                    copy_rows<BT, K, SK, STATE_THREADS>(tK, KG, SK);
+                    copy_rows<1, K, K, STATE_THREADS>(tG, GL, K);
+                }
             }
         }
         cp_async_commit();
     };
+    if constexpr (STATE_BULK) {
+        if (tid == 0) {
+            bulk_bar_init(bars);
+            bulk_bar_init(bars + 1);
+        }
+        __syncthreads();
+    }
     issue(1, c0);
     issue(2, c0);
 
@@ -859,7 +964,9 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
     const int mc = 16 * (warp % CG), cc0 = 16 * (warp / CG);     // phase C: first key row, column
     for (kda_u32 ch = c0; ch < c0 + nch; ++ch) {
         // in flight: groups 1 and 2 of ch; the barrier also orders the previous phase C's state
+        const kda_u32 parity = (ch - c0) & 1u;
         cp_async_wait<1>();
+        if constexpr (STATE_BULK) bulk_bar_wait<true>(bars, parity);
         __syncthreads();
 
         // the state at the chunk's start, for kda_chunk_out
@@ -881,7 +988,7 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
         for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) ws[nt][e] = 0.0f;
-        warp_product<NTA>(ws, tW + r0 * CK, CK, sS + ca, SS, K, g, t4);
+        warp_product<NTA, SWZ>(ws, tW + r0 * SK, SK, sS + ca, SS, K, g, t4);
         float* U = reinterpret_cast<float*>(c.u) + chunk_block(p, ch, hv, (size_t)BT * V) + v0;
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
@@ -897,6 +1004,7 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
             if (on) kda_store_vec<float, W>(U + (size_t)i * V + cc, n);
         }
         cp_async_wait<0>(); // group 2 of ch landed
+        if constexpr (STATE_BULK) bulk_bar_wait<true>(bars + 1, parity);
         __syncthreads();
         issue(1, ch + 1); // tW, tU: phase A is done with them
 
@@ -934,7 +1042,14 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
             for (int i0 = 0; i0 < BT; i0 += 8) {
                 // A = (k exp(Gc_last - Gc))^T: element (key row, chunk row i) is KG[i][key]
                 kda_u32 ah[4], al[4];
-                frag_a_split_t(tK + (i0 + t4) * CK + m0 + g, CK, ah, al);
+                if constexpr (SWZ) { // frag_a_split_t's elements, where swz puts them
+                    tf32_split_fast(tK[swz(i0 + t4, m0 + g)], ah[0], al[0]);
+                    tf32_split_fast(tK[swz(i0 + t4, m0 + g + 8)], ah[1], al[1]);
+                    tf32_split_fast(tK[swz(i0 + t4 + 4, m0 + g)], ah[2], al[2]);
+                    tf32_split_fast(tK[swz(i0 + t4 + 4, m0 + g + 8)], ah[3], al[3]);
+                } else {
+                    frag_a_split_t(tK + (i0 + t4) * SK + m0 + g, SK, ah, al);
+                }
                 float2 b0 = {}, b1 = {};
                 if constexpr (INTER) {
                     b0 = *reinterpret_cast<const float2*>(sN + (i0 + t4) * SS + cc0 + 2 * g);

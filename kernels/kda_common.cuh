@@ -290,18 +290,10 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const kda_u32 (&a)[4], k
 #endif
 }
 
-// The A fragment of one m16n8k8 tile, split into tf32 hi parts and rests (tf32_split_fast),
-// from a row-major tile of row stride ld: p points at the lane's first element (row g, column
-// t4), the fragment is (g, t4), (g + 8, t4), (g, t4 + 4), (g + 8, t4 + 4).
-__device__ __forceinline__ void frag_a_split(const float* p, int ld, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
-    tf32_split_fast(p[0], h[0], l[0]);
-    tf32_split_fast(p[8 * ld], h[1], l[1]);
-    tf32_split_fast(p[4], h[2], l[2]);
-    tf32_split_fast(p[8 * ld + 4], h[3], l[3]);
-}
-
-// The same from a tile stored transposed (element (row, column) at p0[column * ld + row]): p
-// points at the lane's (g, t4), i.e. p0 + t4 ld + g.
+// The A fragment of one m16n8k8 tile, split into tf32 hi parts and rests (tf32_split_fast): the
+// lane's elements (g, t4), (g + 8, t4), (g, t4 + 4), (g + 8, t4 + 4), from a tile stored
+// transposed (element (row, column) at p0[column * ld + row]): p points at the lane's (g, t4),
+// i.e. p0 + t4 ld + g. (Row-major tiles: kda_chunk.cu's frag_a_tile.)
 __device__ __forceinline__ void frag_a_split_t(const float* p, int ld, kda_u32 (&h)[4], kda_u32 (&l)[4]) {
     tf32_split_fast(p[0], h[0], l[0]);
     tf32_split_fast(p[8], h[1], l[1]);

@@ -983,14 +983,24 @@ __device__ __forceinline__ void bulk_bar_expect(kda_u64* bar, kda_u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
 }
-__device__ __forceinline__ void bulk_bar_wait(kda_u64* bar) {
+// Waits for the barrier's first phase to complete (PHASED: its phase of the given parity, 0 or
+// 1; the first phase's parity is 0).
+template <bool PHASED = false>
+__device__ __forceinline__ void bulk_bar_wait(kda_u64* bar, kda_u32 parity = 0) {
     kda_u32 done = 0;
     while (!done) {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
-                     " selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(smem_addr(bar))
-                     : "memory");
+        if constexpr (PHASED)
+            asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                         " selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done)
+                         : "r"(smem_addr(bar)), "r"(parity)
+                         : "memory");
+        else // (an immediate 0: the decode kernels' code unchanged)
+            asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+                         " selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done)
+                         : "r"(smem_addr(bar))
+                         : "memory");
     }
 }
 __device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 bytes, kda_u64* bar) {
@@ -1020,7 +1030,7 @@ __device__ __forceinline__ void bulk_copy16(void* dst, const void* src, kda_u32 
 }
 __device__ __forceinline__ void bulk_bar_init(kda_u64*) {}
 __device__ __forceinline__ void bulk_bar_expect(kda_u64*, kda_u32) {}
-__device__ __forceinline__ void bulk_bar_wait(kda_u64*) {}
+template <bool PHASED = false> __device__ __forceinline__ void bulk_bar_wait(kda_u64*, kda_u32 = 0) {}
 __device__ __forceinline__ void bulk_in(void* dst, const void* src, kda_u32 bytes, kda_u64*) {
     bulk_copy16(dst, src, bytes);
 }

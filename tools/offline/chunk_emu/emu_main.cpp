@@ -187,7 +187,7 @@ static void run_chunked(Problem& pb, size_t max_chunks, bool narrow = false) {
     for (const auto& w : wins) most = std::max(most, w.chunks.size());
     const size_t blocks = most * pb.hv, bt = kda::BT;
     // the regions of chunk_plan.rs's ScratchLayout, poisoned
-    std::vector<float> w(blocks * bt * K), qg(w.size()), kg(w.size()), u(blocks * bt * V),
+    std::vector<float> w(blocks * bt * kda::SK), qg(blocks * bt * K), kg(w.size()), u(blocks * bt * V),
         aqk(blocks * bt * bt), gl(blocks * K), hs(blocks * K * V), carry((size_t)pb.hv * K * V);
     for (auto* x : {&w, &qg, &kg, &u, &aqk, &gl, &hs, &carry}) std::fill(x->begin(), x->end(), NAN);
     for (const auto& win : wins) {

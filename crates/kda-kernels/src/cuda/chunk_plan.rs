@@ -68,7 +68,7 @@ const BC: usize = 16;
 /// row, `BT + BC` rows of K, then the inverses of the diagonal blocks of `I + Akk`, `BT` rows
 /// of `BC + 4`).
 pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
-    let (ck, cv, ca) = (k.next_multiple_of(4) + 4, v.next_multiple_of(4) + 4, BT + 4);
+    let (ck, cv, ca) = (ck(k), v.next_multiple_of(4) + 4, BT + 4);
     let f = ((BT + BC) * ck).max(BT * (BC + 4));
     4 * (3 * BT * ck + BT * cv + BT * ca + BT + f)
 }
@@ -78,7 +78,7 @@ pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
 /// (k, q in `sK`; g, v and the f32 `dt_bias` row in `sG`) fit there and are read in one pass
 /// of 16 elements per thread and array.
 pub(crate) fn prep_staged(input_bytes: usize, k: usize, v: usize) -> bool {
-    let ck = k.next_multiple_of(4) + 4;
+    let ck = ck(k);
     input_bytes == 2
         && BT * k <= 16 * PREP_THREADS
         && BT * v <= 16 * PREP_THREADS
@@ -102,17 +102,15 @@ pub(crate) fn prep_ctas(items: usize, staged: bool, sms: usize) -> usize {
 
 /// Dynamic shared memory of `kda_chunk_state` in `bv` value columns per CTA ([`BV`] or
 /// [`BV_NARROW`]), bytes: its `sS` and `sN` arrays (rows of `bv + 8` floats) and one chunk's
-/// scratch copied in (`tW`, `tK`: `BT` rows of `k` rounded up to 4, plus 4; `tU`: `BT` rows of
-/// `bv`; `tG`: `k`).
+/// scratch copied in (`tW`, `tK`: `BT` rows of [`sk`]; `tU`: `BT` rows of `bv`; `tG`: `k`).
 pub(crate) fn state_smem(k: usize, bv: usize) -> usize {
-    let ck = k.next_multiple_of(4) + 4;
-    4 * ((k + BT) * (bv + 8) + 2 * BT * ck + BT * bv + k)
+    4 * ((k + BT) * (bv + 8) + 2 * BT * sk(k) + BT * bv + k)
 }
 
 /// Dynamic shared memory of `kda_chunk_out`, bytes: its `sS` and `sN` arrays (rows of `OBV +
 /// 8` floats), `tQ` (`BT` rows of `k` rounded up to 4, plus 4) and `tA` (`BT` rows of `BT + 4`).
 pub(crate) fn out_smem(k: usize) -> usize {
-    let ck = k.next_multiple_of(4) + 4;
+    let ck = ck(k);
     4 * ((k + BT) * (OBV + 8) + BT * ck + BT * (BT + 4))
 }
 
@@ -144,11 +142,29 @@ pub(crate) fn out_vblocks(v: usize) -> usize {
     v.div_ceil(OBV)
 }
 
-/// Scratch floats of one (chunk, value head) block: w, q exp(Gc), k exp(Gc_last - Gc) (BT x K
-/// each), u (BT x V; then v_new), Aqk (BT x BT), exp(Gc_last) (K), the state at the chunk's
+/// Scratch floats of one (chunk, value head) block: w and k exp(Gc_last - Gc) (BT rows of
+/// [`sk`] each, as `kda_chunk_state` holds them in shared memory: one copy each), q exp(Gc)
+/// (BT x K), u (BT x V; then v_new), Aqk (BT x BT), exp(Gc_last) (K), the state at the chunk's
 /// start (K x V).
 pub(crate) fn block_floats(k: usize, v: usize) -> usize {
-    3 * BT * k + BT * v + BT * BT + k + k * v
+    2 * BT * sk(k) + BT * k + BT * v + BT * BT + k + k * v
+}
+
+/// `CK` of `kda_chunk.cu`: the row stride, in floats, of K-wide rows in shared memory (16-byte
+/// rows, row j at bank 4 j).
+pub(crate) fn ck(k: usize) -> usize {
+    k.next_multiple_of(4) + 4
+}
+
+/// `SK` of `kda_chunk.cu`: the row stride, in floats, of w and k exp(Gc_last - Gc) in the
+/// scratch and in `kda_chunk_state`'s shared memory. `k` where `k % 32 == 0` (dense rows whose
+/// 16-byte pieces the kernels permute, `swz`), else [`ck`].
+pub(crate) fn sk(k: usize) -> usize {
+    if k.is_multiple_of(32) {
+        k
+    } else {
+        ck(k)
+    }
 }
 
 /// The scratch of a window of `chunks` chunks: the element offset of each region in one f32
@@ -172,9 +188,9 @@ impl ScratchLayout {
     pub(crate) fn new(chunks: usize, hv: usize, k: usize, v: usize) -> Self {
         let blocks = chunks * hv;
         let w = 0;
-        let qg = w + blocks * BT * k;
+        let qg = w + blocks * BT * sk(k);
         let kg = qg + blocks * BT * k;
-        let u = kg + blocks * BT * k;
+        let u = kg + blocks * BT * sk(k);
         let aqk = u + blocks * BT * v;
         let gl = aqk + blocks * BT * BT;
         let hs = gl + blocks * k;
@@ -338,18 +354,22 @@ mod tests {
         assert_eq!(vblocks(48, BV), 2);
         assert_eq!(vblocks(48, BV_NARROW), 3);
         assert_eq!(vblocks(40, BV_NARROW), 3);
-        assert_eq!(state_smem(128, BV), 107_008);
-        assert_eq!(state_smem(128, BV_NARROW), 90_624);
+        assert_eq!(state_smem(128, BV), 104_960);
+        assert_eq!(state_smem(128, BV_NARROW), 88_576);
         for bv in [BV, BV_NARROW] {
             assert!(
-                2 * (state_smem(128, bv) + 2352 + 1024) <= 233_472,
+                2 * (state_smem(128, bv) + 2368 + 1024) <= 233_472,
                 "two kda_chunk_state CTAs per SM of 228 KiB ({bv} columns, with the ring fold's \
                  static shared memory)"
             );
         }
         assert_eq!(
             state_smem(32, BV),
-            4 * ((32 + BT) * (BV + 8) + 2 * BT * 36 + BT * BV + 32)
+            4 * ((32 + BT) * (BV + 8) + 2 * BT * 32 + BT * BV + 32)
+        );
+        assert_eq!(
+            state_smem(48, BV),
+            4 * ((48 + BT) * (BV + 8) + 2 * BT * 52 + BT * BV + 48)
         );
         assert_eq!(out_smem(128), 106_496);
         assert_eq!(out_vblocks(128), 2);
@@ -374,6 +394,7 @@ mod tests {
         let l = ScratchLayout::new(3, 2, 32, 48);
         let blocks = 6;
         assert_eq!(l.qg, blocks * BT * 32);
+        assert_eq!(l.kg - l.qg, blocks * BT * 32);
         assert_eq!(l.u - l.kg, blocks * BT * 32);
         assert_eq!(l.aqk - l.u, blocks * BT * 48);
         assert_eq!(l.gl - l.aqk, blocks * BT * BT);
@@ -386,6 +407,15 @@ mod tests {
         assert_eq!(
             block_floats(32, 48),
             3 * BT * 32 + BT * 48 + BT * BT + 32 + 32 * 48
+        );
+        // K % 32 != 0: w and k exp(Gc_last - Gc) in rows of CK
+        let l = ScratchLayout::new(3, 2, 48, 48);
+        assert_eq!(l.qg, blocks * BT * 52);
+        assert_eq!(l.kg - l.qg, blocks * BT * 48);
+        assert_eq!(l.u - l.kg, blocks * BT * 52);
+        assert_eq!(
+            block_floats(48, 48),
+            2 * BT * 52 + BT * 48 + BT * 48 + BT * BT + 48 + 48 * 48
         );
     }
 
