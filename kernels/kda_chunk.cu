@@ -80,17 +80,17 @@ static_assert(PREP_THREADS % BT == 0 && PREP_THREADS % (BT / BC) == 0 && PREP_TH
 // longer reads: 2-byte inputs whose raw rows fit there, each thread's share of them read in one
 // pass of step 1 (its registers hold them across the barrier before the f32 rows overwrite
 // them). At one CTA per SM an item's loads waited on DRAM: about a fifth of the kernel.
-// Whether kda_chunk_state copies a chunk's w and k exp(Gc_last - Gc) as bulk copies (sm_90's
-// cp.async.bulk on an mbarrier; and the offline emulator, through their plain stand-ins), else
-// by cp.async from every thread.
+constexpr bool PREP_STAGED = sizeof(IT) == 2 && BT * K <= 16 * PREP_THREADS && BT * V <= 16 * PREP_THREADS &&
+                             2 * BT * (K + V) + 4 * K <= 4 * BT * CK && K % 8 == 0 && V % 8 == 0;
+// Whether kda_chunk_state copies a chunk's w, k exp(Gc_last - Gc) and exp(Gc_last) as bulk
+// copies (sm_90's cp.async.bulk on an mbarrier; and the offline emulator, through their plain
+// stand-ins), else by cp.async from every thread.
 #if (!defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900) || \
     defined(KDA_EMU_MMA_TF32)
 constexpr bool STATE_BULK = true;
 #else
 constexpr bool STATE_BULK = false;
 #endif
-constexpr bool PREP_STAGED = sizeof(IT) == 2 && BT * K <= 16 * PREP_THREADS && BT * V <= 16 * PREP_THREADS &&
-                             2 * BT * (K + V) + 4 * K <= 4 * BT * CK && K % 8 == 0 && V % 8 == 0;
 
 } // namespace kda
 
