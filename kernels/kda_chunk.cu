@@ -866,9 +866,10 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 // S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T v_new. The outputs are kda_chunk_out's, every
 // chunk at once, off the chain (the chain's work per chunk was 2.5 products, now 2; its
 // shared memory fits two CTAs per SM: fifty-ninth session). A chunk's scratch reaches shared
-// memory by cp.async in two groups, each issued as soon as the previous chunk's phase that
-// reads its buffers is done: w and u's columns (phase A) during the previous chunk's phase C,
-// k exp(Gc_last - Gc) and exp(Gc_last) (phase C) during this chunk's phase A. The products run
+// memory in two groups of copies (bulk copies and cp.async: see issue below), each issued as
+// soon as the previous chunk's phase that reads its buffers is done: w and u's columns (phase
+// A) during the previous chunk's phase C, k exp(Gc_last - Gc) and exp(Gc_last) (phase C)
+// during this chunk's phase A. The products run
 // on the tensor cores (3xTF32 mma.sync, f32 accuracy). Phase A: warp w the chunk rows 16 (w %
 // 4) .. + 15 and NB / 2 of the CTA's columns (NB / 16 tiles of 8). Phase C: warp w 16 columns
 // (two tiles) and every CG-th block of 16 key rows, CG = 4 (NB = 32) or 8 (NB = 16), so that a
