@@ -869,11 +869,11 @@ extern "C" __global__ void __launch_bounds__(kda::PREP_THREADS) kda_chunk_prep(c
 // memory in two groups of copies (bulk copies and cp.async: see issue below), each issued as
 // soon as the previous chunk's phase that reads its buffers is done: w and u's columns (phase
 // A) during the previous chunk's phase C, k exp(Gc_last - Gc) and exp(Gc_last) (phase C)
-// during this chunk's phase A. The products run
-// on the tensor cores (3xTF32 mma.sync, f32 accuracy). Phase A: warp w the chunk rows 16 (w %
-// 4) .. + 15 and NB / 2 of the CTA's columns (NB / 16 tiles of 8). Phase C: warp w 16 columns
-// (two tiles) and every CG-th block of 16 key rows, CG = 4 (NB = 32) or 8 (NB = 16), so that a
-// narrow CTA's warps split each A fragment once, as the wide one's do.
+// during this chunk's phase A. The products run on the tensor cores (3xTF32 mma.sync, f32
+// accuracy). Phase A: warp w the chunk rows 16 (w % 4) .. + 15 and NB / 2 of the CTA's
+// columns (NB / 16 tiles of 8). Phase C: warp w 16 columns (two tiles) and every CG-th block
+// of 16 key rows, CG = 4 (NB = 32) or 8 (NB = 16), so that a narrow CTA's warps split each A
+// fragment once, as the wide one's do.
 template <int NB>
 __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const KdaChunkParams& c) {
     using namespace kda;
@@ -903,9 +903,9 @@ __device__ __forceinline__ void kda_chunk_state_cols(const KdaParams& p, const K
     // thread counts the same groups). STATE_BULK: w, k exp(Gc_last - Gc) (each a contiguous
     // [BT][SK] block) and exp(Gc_last) in one bulk copy each by thread 0, landing on the
     // group's mbarrier (its phase j: the piece's chunk j); u's columns by cp.async from every
-    // thread. (Against cp.async from every thread: the wide kernel 15% faster, the narrow one
-    // 9%, sixty-eighth session; bulk copies of one row each, 193 a chunk, ran the state pass up
-    // to twice as long, sixty-seventh.)
+    // thread. (Against cp.async from every thread: the wide kernel 1.17x faster, the narrow
+    // one 1.07-1.10x, sixty-eighth session; bulk copies of one row each, 193 a chunk, ran the
+    // state pass up to twice as long, sixty-seventh.)
     __shared__ kda_u64 bars[2];
     auto issue = [&](int group, kda_u32 ch) {
         if (ch < c0 + nch) {
