@@ -57,10 +57,18 @@ constexpr float LOG2E = 1.4426950408889634f;
 // them out; else rows of CK, as in shared memory elsewhere.
 constexpr bool SWZ = K % 32 == 0;
 constexpr int SK = SWZ ? K : CK;
+// kda_chunk_prep's sQ and sV, where step 5 solves its right-hand sides in place: where XSW (K
+// and V multiples of 16), rows of CX and CVX floats, 16 mod 32 (two adjacent rows' 16-byte
+// pieces in different bank quads), step 5's elements where xsw puts them, so that its B
+// fragments and the rows of its tiles are conflict-free (in rows of CK, 4 mod 32, both were
+// two-way conflicts: ncu, seventieth session); else rows of CK and CV.
+constexpr bool XSW = K % 16 == 0 && V % 16 == 0;
+constexpr int CX = XSW ? roundup(K, 32) + 16 : CK;
+constexpr int CVX = XSW ? roundup(V, 32) + 16 : CV;
 // Shared-memory layouts, float offsets. kda_chunk_prep: sK, sQ, sG, sV, sA, sB, sF (step 3's
 // factored columns of the diagonal blocks, then its factored rows and columns of the blocks left
 // of them, then step 5's inverses of the diagonal blocks).
-constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CK, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CV,
+constexpr int PREP_Q = BT * CK, PREP_G = PREP_Q + BT * CX, PREP_V = PREP_G + BT * CK, PREP_A = PREP_V + BT * CVX,
               PREP_B = PREP_A + BT * CA, PREP_F = PREP_B + BT,
               PREP_END = PREP_F + ((BT + BC) * CK > BT * TS ? (BT + BC) * CK : BT * TS);
 // kda_chunk_state with NB value columns per CTA: sS, sN (rows of SS = NB + 8 floats: B
@@ -165,6 +173,17 @@ __device__ __forceinline__ void copy_rows(float* dst, const float* src, size_t s
     }
 }
 
+// Where step 5 of kda_chunk_prep keeps element (r, c) of its right-hand sides (row r of sQ or
+// sV, column c): with XSW, each row's 16-byte pieces within an aligned group of four (a warp's
+// 16 columns) swapped in pairs where r & 2, so that a B fragment's rows t4 and t4 + 2 and a
+// tile's rows g and g + 2 meet different bank quads.
+__device__ __forceinline__ int xsw(int r, int c) {
+    if constexpr (XSW)
+        return c ^ ((r & 2) << 2);
+    else
+        return c;
+}
+
 #if !defined(__HIPCC__) && !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define KDA_LDMATRIX 1
 // frag_a_tile's ldmatrix.x4, row: the lane's row address (a tf32 row of four is a b16 row of
@@ -223,8 +242,9 @@ __device__ __forceinline__ void frag_a_tile_swz(const float* a, int k0, kda_u32 
 // nt's column j is b's column NT j + nt, so that a lane's B elements of all tiles are adjacent
 // (one NT-wide load a row; as 8-column tiles side by side they were NT loads) and its
 // accumulators adjacent columns: see frag_row. ASW: A is a [BT][SK] block laid out as swz does
-// (frag_a_tile_swz).
-template <int NT, bool ASW = false>
+// (frag_a_tile_swz). BSW: B's element (r, c) lies at column xsw(r, c) (b's first row a multiple
+// of 16 rows into the block xsw lays out).
+template <int NT, bool ASW = false, bool BSW = false>
 __device__ __forceinline__ void warp_product(float (&acc)[NT][4], const float* a, int lda, const float* b, int ldb,
                                              int kn, int g, int t4) {
     static_assert(NT == 1 || NT == 2 || NT == 4, "warp_product: 1, 2 or 4 tiles");
@@ -237,8 +257,9 @@ __device__ __forceinline__ void warp_product(float (&acc)[NT][4], const float* a
         else
             frag_a_tile(a + k0, lda, ah, al);
         float b0[NT], b1[NT];
-        kda_load_vec<float, NT>(b + (k0 + t4) * ldb + NT * g, b0);
-        kda_load_vec<float, NT>(b + (k0 + t4 + 4) * ldb + NT * g, b1);
+        const int bc = BSW ? xsw(t4, NT * g) : NT * g; // (k0 % 8 == 0: rows k0 + t4 and k0 + t4 + 4 alike)
+        kda_load_vec<float, NT>(b + (k0 + t4) * ldb + bc, b0);
+        kda_load_vec<float, NT>(b + (k0 + t4 + 4) * ldb + bc, b1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             kda_u32 bh0, bl0, bh1, bl1;
@@ -262,14 +283,15 @@ __device__ __forceinline__ void frag_row(const float (&acc)[NT][4], int h, float
 }
 
 // x = y (SUB: x -= y) for a lane's elements of warp_product<NT>'s product y, in rows g and g + 8
-// of x (row stride rs, 8 NT columns; x and rs aligned to 2 NT floats).
-template <int NT, bool SUB>
+// of x (row stride rs, 8 NT columns; x and rs aligned to 2 NT floats; XS: at xsw's columns, x's
+// first row a multiple of 16 rows into the block xsw lays out).
+template <int NT, bool SUB, bool XS = false>
 __device__ __forceinline__ void frag_rows_to(float* x, int rs, const float (&y)[NT][4], int g, int t4) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float v[2 * NT];
         frag_row<NT>(y, h, v);
-        float* xr = x + (g + 8 * h) * rs + 2 * NT * t4;
+        float* xr = x + (g + 8 * h) * rs + (XS ? xsw(g, 2 * NT * t4) : 2 * NT * t4);
 #pragma unroll
         for (int c0 = 0; c0 < 2 * NT; c0 += 4) { // 16 bytes at most a load and store
             constexpr int W = 2 * NT < 4 ? 2 * NT : 4;
@@ -290,17 +312,17 @@ __device__ __forceinline__ void frag_rows_to(float* x, int rs, const float (&y)[
 // kda_chunk_prep's step 5 for one warp's 8 NT columns x of [w | u] (row stride rs): block after
 // block I, R_I = rhs_I - Akk_{I,<I} x_{<I}, then x_I = T_I R_I, in place for the blocks after
 // it and to out (global memory: the scratch; column oc, row stride os, or with sw (NT == 2) a
-// [BT][SK] block laid out as swz does) from the tiles.
-template <int NT>
+// [BT][SK] block laid out as swz does) from the tiles. XS: x's elements where xsw puts them.
+template <int NT, bool XS>
 __device__ __forceinline__ void prep_solve_cols(float* out, int os, int oc, bool sw, float* x, int rs, const float* sA,
                                                 const float* sT, int g, int t4) {
     for (int i0 = 0; i0 < BT; i0 += BC) {
         float r[NT][4] = {};
-        warp_product<NT>(r, sA + i0 * CA, CA, x, rs, i0, g, t4);
-        frag_rows_to<NT, true>(x + i0 * rs, rs, r, g, t4);
+        warp_product<NT, false, XS>(r, sA + i0 * CA, CA, x, rs, i0, g, t4);
+        frag_rows_to<NT, true, XS>(x + i0 * rs, rs, r, g, t4);
         KDA_SYNCWARP(); // R_I in place, for the B fragments
         float y[NT][4] = {};
-        warp_product<NT>(y, sT + i0 * TS, TS, x + i0 * rs, rs, BC, g, t4);
+        warp_product<NT, false, XS>(y, sT + i0 * TS, TS, x + i0 * rs, rs, BC, g, t4);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float v[2 * NT];
@@ -310,7 +332,7 @@ __device__ __forceinline__ void prep_solve_cols(float* out, int os, int oc, bool
         }
         if (i0 + BC < BT) {
             KDA_SYNCWARP(); // every lane has read R_I
-            frag_rows_to<NT, false>(x + i0 * rs, rs, y, g, t4);
+            frag_rows_to<NT, false, XS>(x + i0 * rs, rs, y, g, t4);
             KDA_SYNCWARP(); // x_I in place, for the next blocks' B fragments
         }
     }
@@ -479,9 +501,9 @@ __device__ __forceinline__ void prep_stage(const KdaParams& p, const PrepItem& i
 __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const KdaChunkParams& c,
                                            const PrepItem& it, PrepItem& next, bool more) {
     float* sK = csm;             // [BT][CK] activated keys (PREP_STAGED: first the raw k and q)
-    float* sQ = csm + PREP_Q;    // [BT][CK] activated, scaled queries; then beta k exp(Gc), then w's first blocks
+    float* sQ = csm + PREP_Q;    // [BT][CX] activated, scaled queries; then beta k exp(Gc), then w's first blocks
     float* sG = csm + PREP_G;    // [BT][CK] log-decays; then Gc in log2 units (PREP_STAGED: first the raw g, v, dt_bias)
-    float* sV = csm + PREP_V;    // [BT][CV] values; then beta v, then u's first blocks
+    float* sV = csm + PREP_V;    // [BT][CVX] values; then beta v, then u's first blocks
     float* sA = csm + PREP_A;    // [BT][CA] Akk: beta_i k_i . k_j exp(Gc_i - Gc_j), j < i
     float* sB = csm + PREP_B;    // [BT] beta
     float* sF = csm + PREP_F;    // [2 BC + BT - BC][CK] the factored rows and columns of Akk, Aqk
@@ -536,13 +558,13 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
 #pragma unroll
                     for (int i = 0; i < LV; ++i) {
                         sK[t * CK + kk + i] = kx[b][i];
-                        sQ[t * CK + kk + i] = qx[b][i];
+                        sQ[t * CX + kk + i] = qx[b][i];
                         sG[t * CK + kk + i] = t < len ? log_decay_at<sizeof(ST) == 2>(gx[b][i], &bx[b][i], p, a_exp) * LOG2E : 0.0f;
                     }
                 }
                 if (e < NV) {
 #pragma unroll
-                    for (int i = 0; i < LV; ++i) sV[tv * CV + cv + i] = vx[b][i];
+                    for (int i = 0; i < LV; ++i) sV[tv * CVX + cv + i] = vx[b][i];
                 }
             }
         }
@@ -554,7 +576,7 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
     //    arithmetic (times rsqrt: IEEE division called a subroutine, sixtieth session); Gc, one
     //    thread per key channel.
     for (int r = warp; r < 2 * len; r += nwarps) {
-        float* row = r < len ? sK + r * CK : sQ + (r - len) * CK;
+        float* row = r < len ? sK + r * CK : sQ + (r - len) * CX;
         float x[KL];
 #pragma unroll
         for (int i = 0; i < KL; ++i) {
@@ -626,10 +648,10 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
                     const int kc = 4 * lane + 128 * c;
                     if (K % 128 != 0 && kc >= K) break; // K % 4 == 0
                     const float4 ka = *reinterpret_cast<const float4*>(sK + ia * CK + kc);
-                    const float4 qa = *reinterpret_cast<const float4*>(sQ + ia * CK + kc);
+                    const float4 qa = *reinterpret_cast<const float4*>(sQ + ia * CX + kc);
                     const float4 ga = *reinterpret_cast<const float4*>(sG + ia * CK + kc);
                     const float4 kb = *reinterpret_cast<const float4*>(sK + ib * CK + kc);
-                    const float4 qb = *reinterpret_cast<const float4*>(sQ + ib * CK + kc);
+                    const float4 qb = *reinterpret_cast<const float4*>(sQ + ib * CX + kc);
                     const float4 gb = *reinterpret_cast<const float4*>(sG + ib * CK + kc);
                     const float4 gm = *reinterpret_cast<const float4*>(sG + (j0 + MB) * CK + kc);
                     const float f0 = exp2_nonpos(gb.x - gm.x), f1 = exp2_nonpos(gb.y - gm.y);
@@ -687,17 +709,25 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
         for (int bi = 1; bi < BT / BC; ++bi) {
             const int r = bi * BC;
             __syncthreads(); // sF free (the previous block row's products done)
-            for (int e = tid; e < (2 * BC + r) * K / 4; e += PREP_THREADS) {
+            // (a token of block I: its k row to sF's row t - r, its q row to BC + t - r, one
+            // exponential for both; a column j < r: its k row to 2 BC + j)
+            for (int e = tid; e < (BC + r) * K / 4; e += PREP_THREADS) {
                 const int row = 4 * e / K, kk = 4 * e - row * K;
                 const float4 gr = *reinterpret_cast<const float4*>(sG + r * CK + kk);
-                const bool is_row = row < 2 * BC;
-                const int t = is_row ? r + row % BC : row - 2 * BC;
-                const float4 x = *reinterpret_cast<const float4*>((is_row && row >= BC ? sQ : sK) + t * CK + kk);
+                const bool is_row = row < BC; // warp-uniform where K % 128 == 0
+                const int t = is_row ? r + row : row - BC;
+                const float4 k4 = *reinterpret_cast<const float4*>(sK + t * CK + kk);
                 const float4 gt = *reinterpret_cast<const float4*>(sG + t * CK + kk);
                 const float s = is_row ? 1.0f : -1.0f; // exp2(Gc_t - Gc_r) for rows, exp2(Gc_r - Gc_t) for columns
-                *reinterpret_cast<float4*>(sF + row * CK + kk) =
-                    make_float4(x.x * exp2_nonpos(s * (gt.x - gr.x)), x.y * exp2_nonpos(s * (gt.y - gr.y)),
-                                x.z * exp2_nonpos(s * (gt.z - gr.z)), x.w * exp2_nonpos(s * (gt.w - gr.w)));
+                const float f[4] = {exp2_nonpos(s * (gt.x - gr.x)), exp2_nonpos(s * (gt.y - gr.y)),
+                                    exp2_nonpos(s * (gt.z - gr.z)), exp2_nonpos(s * (gt.w - gr.w))};
+                *reinterpret_cast<float4*>(sF + (is_row ? row : BC + row) * CK + kk) =
+                    make_float4(k4.x * f[0], k4.y * f[1], k4.z * f[2], k4.w * f[3]);
+                if (is_row) {
+                    const float4 q4 = *reinterpret_cast<const float4*>(sQ + t * CX + kk);
+                    *reinterpret_cast<float4*>(sF + (BC + row) * CK + kk) =
+                        make_float4(q4.x * f[0], q4.y * f[1], q4.z * f[2], q4.w * f[3]);
+                }
             }
             __syncthreads();
             if (warp < 2 * (r / 8)) {
@@ -750,7 +780,7 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
             const float4 g4 = *reinterpret_cast<const float4*>(sG + t * CK + kk);
             const float4 gl4 = *reinterpret_cast<const float4*>(sG + (BT - 1) * CK + kk);
             const float4 k4 = *reinterpret_cast<const float4*>(sK + t * CK + kk);
-            const float4 q4 = *reinterpret_cast<const float4*>(sQ + t * CK + kk);
+            const float4 q4 = *reinterpret_cast<const float4*>(sQ + t * CX + kk);
             const float gt[4] = {g4.x, g4.y, g4.z, g4.w}, glast[4] = {gl4.x, gl4.y, gl4.z, gl4.w};
             const float kx[4] = {k4.x, k4.y, k4.z, k4.w}, qx[4] = {q4.x, q4.y, q4.z, q4.w};
             float oq[4], ok[4], orhs[4];
@@ -763,16 +793,20 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
             }
             *reinterpret_cast<float4*>(qg + 4 * e) = make_float4(oq[0], oq[1], oq[2], oq[3]);
             *reinterpret_cast<float4*>(kg + swz(t, kk)) = make_float4(ok[0], ok[1], ok[2], ok[3]);
-            *reinterpret_cast<float4*>(sQ + t * CK + kk) = make_float4(orhs[0], orhs[1], orhs[2], orhs[3]);
+            // (where xsw moves it, another lane's q4: every lane's read first; BT K / 4 and BT V / 4
+            // are multiples of 32, so every lane of a warp takes each pass)
+            if constexpr (XSW) KDA_SYNCWARP();
+            *reinterpret_cast<float4*>(sQ + t * CX + xsw(t, kk)) = make_float4(orhs[0], orhs[1], orhs[2], orhs[3]);
             if (t == 0)
                 *reinterpret_cast<float4*>(gl + kk) =
                     make_float4(exp2_nonpos(glast[0]), exp2_nonpos(glast[1]), exp2_nonpos(glast[2]), exp2_nonpos(glast[3]));
         }
         for (int e = tid; e < BT * V / 4; e += PREP_THREADS) {
             const int t = 4 * e / V, cv = 4 * e - t * V;
-            float4* x = reinterpret_cast<float4*>(sV + t * CV + cv);
+            const float4 x = *reinterpret_cast<const float4*>(sV + t * CVX + cv);
             const float b = sB[t];
-            *x = make_float4(x->x * b, x->y * b, x->z * b, x->w * b);
+            if constexpr (XSW) KDA_SYNCWARP();
+            *reinterpret_cast<float4*>(sV + t * CVX + xsw(t, cv)) = make_float4(x.x * b, x.y * b, x.z * b, x.w * b);
         }
     }
     __syncthreads();
@@ -823,11 +857,11 @@ __device__ __forceinline__ void prep_chunk(float* csm, const KdaParams& p, const
             const bool of_w = c0 < K;
             float* x = of_w ? sQ + c0 : sV + (c0 - K);
             float* out = of_w ? wout : uout;
-            const int rs = of_w ? CK : CV, os = of_w ? SK : V, oc = of_w ? c0 : c0 - K;
+            const int rs = of_w ? CX : CVX, os = of_w ? SK : V, oc = of_w ? c0 : c0 - K;
             if ((K + V) % 16 == 0 || c0 + 16 <= K + V)
-                prep_solve_cols<2>(out, os, oc, of_w && SWZ, x, rs, sA, sT, g, t4);
-            else // (u's last 8 columns: SWZ's w is whole 16-column blocks)
-                prep_solve_cols<1>(out, os, oc, false, x, rs, sA, sT, g, t4);
+                prep_solve_cols<2, XSW>(out, os, oc, of_w && SWZ, x, rs, sA, sT, g, t4);
+            else // (u's last 8 columns: SWZ's w is whole 16-column blocks; V % 16 != 0, so no XSW)
+                prep_solve_cols<1, false>(out, os, oc, false, x, rs, sA, sT, g, t4);
         }
     }
 }

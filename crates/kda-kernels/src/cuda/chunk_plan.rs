@@ -66,11 +66,25 @@ const BC: usize = 16;
 /// Dynamic shared memory of `kda_chunk_prep`, bytes (its `sK` .. `sB` arrays and `sF`: the
 /// diagonal blocks' factored columns, `BT / 2` rows of K, then the factored rows of one block
 /// row, `BT + BC` rows of K, then the inverses of the diagonal blocks of `I + Akk`, `BT` rows
-/// of `BC + 4`).
+/// of `BC + 4`). `sQ` and `sV`, where the solve works in place, in rows of [`solve_stride`].
 pub(crate) fn prep_smem(k: usize, v: usize) -> usize {
-    let (ck, cv, ca) = (ck(k), v.next_multiple_of(4) + 4, BT + 4);
+    let (ck, ca) = (ck(k), BT + 4);
     let f = ((BT + BC) * ck).max(BT * (BC + 4));
-    4 * (3 * BT * ck + BT * cv + BT * ca + BT + f)
+    let (cx, cvx) = (solve_stride(k, k, v), solve_stride(v, k, v));
+    4 * (2 * BT * ck + BT * cx + BT * cvx + BT * ca + BT + f)
+}
+
+/// `CX` and `CVX` of `kda_chunk.cu`: the row stride, in floats, of `kda_chunk_prep`'s `sQ`
+/// (`width` = `k`) and `sV` (`width` = `v`). Where `k` and `v` are multiples of 16 (`XSW`):
+/// `width` rounded up to 32, plus 16 (16 mod 32, with the pieces of a row swapped in pairs as
+/// `xsw` does: the solve's loads and stores conflict-free); else `width` rounded up to 4,
+/// plus 4.
+pub(crate) fn solve_stride(width: usize, k: usize, v: usize) -> usize {
+    if k.is_multiple_of(16) && v.is_multiple_of(16) {
+        width.next_multiple_of(32) + 16
+    } else {
+        width.next_multiple_of(4) + 4
+    }
 }
 
 /// Whether `kda_chunk_prep` stages each item's raw rows in shared memory during the previous
@@ -343,7 +357,10 @@ mod tests {
         let h200 = 232_448;
         assert!(chunk_supported(128, 128, h200));
         assert!(chunk_supported(32, 48, h200));
-        assert_eq!(prep_smem(128, 128), 195_072);
+        assert_eq!(prep_smem(128, 128), 201_216);
+        assert_eq!(solve_stride(128, 128, 128), 144);
+        assert_eq!(solve_stride(48, 48, 48), 80);
+        assert_eq!(solve_stride(40, 32, 40), 44, "V % 16 != 0: rows of V + 4");
         assert!(!chunk_supported(30, 48, h200), "K not a multiple of 16");
         assert!(!chunk_supported(32, 44, h200), "V not a multiple of 8");
         assert!(
