@@ -1,12 +1,13 @@
 // A host stand-in for the CUDA names the chunked prefill's kernels (kernels/kda_chunk.cu) and
 // the helpers they use (kernels/kda_common.cuh, the helper part of kernels/kda_decode.cu)
-// need, so that g++ compiles the kernel source unchanged and runs it on the CPU: one
-// std::thread per CUDA thread of a block, __syncthreads as a barrier of the block, the warp
-// shuffles through a per-warp exchange and barrier, shared memory as statics (one block runs at
-// a time). It replaces kernels/kda_compat.cuh. A check of what the code computes, not of its
-// speed, its memory model or its races beyond the barriers it has.
+// need, so that g++ compiles the kernel source unchanged and runs it on the CPU: one fiber
+// (its own stack, all on the one OS thread) per CUDA thread of a block, switched
+// only at barriers: __syncthreads as a barrier of the block, the warp shuffles through a
+// per-warp exchange and barrier; shared memory as statics (one block runs at a time). A barrier
+// that can never complete (some threads left or wait elsewhere) aborts with a message. It
+// replaces kernels/kda_compat.cuh. A check of what the code computes, not of its speed, its
+// memory model or its races beyond the barriers it has (the fibers run in a fixed order).
 #pragma once
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -16,7 +17,7 @@
 #include <math.h>
 #include <memory>
 #include <mutex>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 
 #define __device__
@@ -106,23 +107,112 @@ inline kda_bf16 kda_float_to_bf16(float f) {
 #define KDA_HALF_BITS(h) ((h).bits)
 #define KDA_BF16_BITS(h) ((h).bits)
 
-// One block's synchronisation: the block barrier and each warp's exchange.
+// A fiber's saved context and the switch between two. On x86-64 a switch saves the registers the
+// calling convention keeps across calls on the fiber's own stack and swaps stack pointers (the
+// kernels leave the floating-point control words alone); glibc's swapcontext, the fallback
+// elsewhere, also saves the signal mask and the FPU environment, which made it ~90% of the
+// emulator's time.
+#if defined(__x86_64__)
+struct EmuContext {
+    void* sp = nullptr;
+};
+extern "C" void emu_switch(EmuContext* save, EmuContext* load);
+asm(R"(
+    .text
+    .globl emu_switch
+    .type emu_switch, @function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq (%rsi), %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch, .-emu_switch
+)");
+// A context whose first switch-in enters `entry` (which must never return) on `stack`.
+inline void emu_context_init(EmuContext& c, char* stack, size_t size, void (*entry)()) {
+    auto top = reinterpret_cast<uintptr_t>(stack + size) & ~(uintptr_t)15;
+    auto* sp = reinterpret_cast<uintptr_t*>(top);
+    *--sp = 0;                                  // `entry`'s return address: none
+    *--sp = reinterpret_cast<uintptr_t>(entry); // where emu_switch's `ret` goes
+    for (int r = 0; r < 6; ++r) *--sp = 0;      // rbp, rbx, r12-r15
+    c.sp = sp;
+}
+#else
+struct EmuContext {
+    ucontext_t uc;
+};
+inline void emu_switch(EmuContext* save, EmuContext* load) { swapcontext(&save->uc, &load->uc); }
+inline void emu_context_init(EmuContext& c, char* stack, size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
+// A barrier of `expected` fibers: the last to arrive completes the phase and goes on; the
+// others switch back to the scheduler until it has.
+struct EmuBarrier {
+    unsigned expected, count = 0;
+    uint64_t phase = 0;
+    explicit EmuBarrier(unsigned n) : expected(n) {}
+};
+// One thread's cp.async copies (below): issued and not yet committed, and committed groups,
+// oldest first.
+struct EmuCopy {
+    void* dst;
+    const void* src;
+};
+struct EmuCopies {
+    std::vector<EmuCopy> open;
+    std::vector<std::vector<EmuCopy>> groups;
+};
+// One block's synchronisation: the block barrier, each warp's exchange and its threads' copies.
 struct EmuBlock {
-    explicit EmuBlock(unsigned threads) : bar((std::ptrdiff_t)threads) {
+    explicit EmuBlock(unsigned threads) : bar(threads), copies(threads) {
         for (unsigned w = 0; w < (threads + 31) / 32; ++w) warps.emplace_back(std::make_unique<Warp>());
     }
-    std::barrier<> bar;
+    EmuBarrier bar;
     struct Warp {
-        std::barrier<> bar{32};
+        EmuBarrier bar{32};
         uint64_t slot[32];
         uint32_t frag[32][6];
     };
     std::vector<std::unique_ptr<Warp>> warps;
+    std::vector<EmuCopies> copies;
+    EmuContext scheduler;               // where a waiting or ended fiber switches to
+    std::vector<EmuContext> fibers;     // one per thread
+    std::vector<unsigned char> ended;   // per thread: its kernel has returned
+    uint64_t progress = 0;              // arrivals and ends, to tell a deadlock
 };
 inline thread_local EmuBlock* emu_block = nullptr;
 
-inline void __syncthreads() { emu_block->bar.arrive_and_wait(); }
-inline void __syncwarp() { emu_block->warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
+inline void emu_wait(EmuBarrier& b) {
+    EmuBlock& blk = *emu_block;
+    ++blk.progress;
+    const uint64_t phase = b.phase;
+    if (++b.count == b.expected) {
+        b.count = 0;
+        ++b.phase;
+        return;
+    }
+    while (b.phase == phase) emu_switch(&blk.fibers[threadIdx.x], &blk.scheduler);
+}
+
+inline void __syncthreads() { emu_wait(emu_block->bar); }
+inline void __syncwarp() { emu_wait(emu_block->warps[threadIdx.x / 32]->bar); }
 inline void __threadfence() {}
 
 template <typename T> T emu_shfl(T x, int src_lane) {
@@ -132,10 +222,10 @@ template <typename T> T emu_shfl(T x, int src_lane) {
     uint64_t b = 0;
     std::memcpy(&b, &x, sizeof(T));
     w.slot[lane] = b;
-    w.bar.arrive_and_wait();
+    emu_wait(w.bar);
     T y;
     std::memcpy(&y, &w.slot[src_lane & 31], sizeof(T));
-    w.bar.arrive_and_wait();
+    emu_wait(w.bar);
     return y;
 }
 inline int emu_lane() { return (int)(threadIdx.x % 32); }
@@ -150,7 +240,7 @@ void emu_mma_tf32(float (&c)[4], const U (&a)[4], U b0, U b1) {
     for (int i = 0; i < 4; ++i) mine[i] = a[i];
     mine[4] = b0;
     mine[5] = b1;
-    w.bar.arrive_and_wait();
+    emu_wait(w.bar);
     auto f = [&](int src, int i) { // read as tf32, as mma.sync reads it: the low 13 bits ignored
         const uint32_t bits = w.frag[src][i] & 0xffffe000u;
         float x;
@@ -165,7 +255,7 @@ void emu_mma_tf32(float (&c)[4], const U (&a)[4], U b0, U b1) {
         c[2] = fmaf(a_hi, b_0, c[2]);
         c[3] = fmaf(a_hi, b_1, c[3]);
     }
-    w.bar.arrive_and_wait();
+    emu_wait(w.bar);
 }
 #define KDA_EMU_MMA_TF32(c, a, b0, b1) emu_mma_tf32((c), (a), (b0), (b1))
 #define KDA_SHFL_XOR(val, mask) emu_shfl((val), emu_lane() ^ (int)(mask))
@@ -201,21 +291,17 @@ inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned v) {
 // and made only when a wait lets them land, so a read of shared memory before its wait sees
 // the poison of `emu_launch`'s `before`, not the data (the source must not change in between:
 // the kernels copy only what an earlier launch wrote).
-struct EmuCopy {
-    void* dst;
-    const void* src;
-};
-inline thread_local std::vector<EmuCopy> emu_open;                 // issued, not yet committed
-inline thread_local std::vector<std::vector<EmuCopy>> emu_groups; // committed, oldest first
-inline void cp_async16(void* dst, const void* src) { emu_open.push_back({dst, src}); }
+inline void cp_async16(void* dst, const void* src) { emu_block->copies[threadIdx.x].open.push_back({dst, src}); }
 inline void cp_async_commit() {
-    emu_groups.push_back(std::move(emu_open));
-    emu_open.clear();
+    EmuCopies& c = emu_block->copies[threadIdx.x];
+    c.groups.push_back(std::move(c.open));
+    c.open.clear();
 }
 template <int N> inline void cp_async_wait() {
-    while (emu_groups.size() > (size_t)N) {
-        for (const EmuCopy& c : emu_groups.front()) std::memcpy(c.dst, c.src, 16);
-        emu_groups.erase(emu_groups.begin());
+    auto& groups = emu_block->copies[threadIdx.x].groups;
+    while (groups.size() > (size_t)N) {
+        for (const EmuCopy& c : groups.front()) std::memcpy(c.dst, c.src, 16);
+        groups.erase(groups.begin());
     }
 }
 
@@ -223,29 +309,56 @@ template <int N> inline void cp_async_wait() {
 // chunk_emu.sh drops the `__shared__ __align__(16)` of extern declarations).
 alignas(16) inline float csm[1 << 16];
 
+// The fibers' stacks, kept from one block to the next.
+inline std::vector<std::unique_ptr<char[]>> emu_stacks;
+constexpr size_t EMU_STACK = 1 << 20;
+inline const std::function<void()>* emu_kernel = nullptr;
+
+// A fiber's body: the kernel as thread `threadIdx.x`, then back to the scheduler for good.
+inline void emu_fiber() {
+    (*emu_kernel)();
+    const EmuCopies& c = emu_block->copies[threadIdx.x];
+    if (!c.open.empty() || !c.groups.empty()) {
+        std::fprintf(stderr, "block %u thread %u ended with cp.async copies not waited for\n", blockIdx.x,
+                     threadIdx.x);
+        std::abort();
+    }
+    ++emu_block->progress;
+    emu_block->ended[threadIdx.x] = true;
+    emu_switch(&emu_block->fibers[threadIdx.x], &emu_block->scheduler);
+}
+
 // Runs `kernel` on a grid of `grid` blocks of `threads` threads, one block after the other,
-// `before` ahead of each (poisoning the shared memory).
+// `before` ahead of each (poisoning the shared memory). A block's threads run as fibers in turn,
+// each until it waits at a barrier or ends.
 inline void emu_launch(unsigned grid, unsigned threads, const std::function<void()>& kernel,
                        const std::function<void()>& before) {
+    while (emu_stacks.size() < threads) emu_stacks.emplace_back(new char[EMU_STACK]);
+    emu_kernel = &kernel;
+    blockDim = {threads, 1, 1};
+    gridDim = {grid, 1, 1};
     for (unsigned b = 0; b < grid; ++b) {
         before();
         EmuBlock blk(threads);
-        std::vector<std::thread> ts;
-        ts.reserve(threads);
-        for (unsigned t = 0; t < threads; ++t) {
-            ts.emplace_back([&, t, b] {
+        emu_block = &blk;
+        blockIdx = {b, 0, 0};
+        blk.fibers.resize(threads);
+        blk.ended.assign(threads, 0);
+        for (unsigned t = 0; t < threads; ++t) emu_context_init(blk.fibers[t], emu_stacks[t].get(), EMU_STACK, emu_fiber);
+        // A fiber back in the scheduler waits at a barrier (resumed on the next pass) or has
+        // ended. A pass with no arrival and no end means no barrier can complete.
+        for (unsigned left = threads; left > 0;) {
+            const uint64_t progress = blk.progress;
+            for (unsigned t = 0; t < threads; ++t) {
+                if (blk.ended[t]) continue;
                 threadIdx = {t, 0, 0};
-                blockIdx = {b, 0, 0};
-                blockDim = {threads, 1, 1};
-                gridDim = {grid, 1, 1};
-                emu_block = &blk;
-                kernel();
-                if (!emu_open.empty() || !emu_groups.empty()) {
-                    std::fprintf(stderr, "block %u thread %u ended with cp.async copies not waited for\n", b, t);
-                    std::abort();
-                }
-            });
+                emu_switch(&blk.scheduler, &blk.fibers[t]);
+                left -= blk.ended[t];
+            }
+            if (left > 0 && blk.progress == progress) {
+                std::fprintf(stderr, "block %u: %u threads wait at barriers that cannot complete\n", b, left);
+                std::abort();
+            }
         }
-        for (auto& t : ts) t.join();
     }
 }
