@@ -6,7 +6,8 @@
 // per-warp exchange and barrier; shared memory as statics (one block runs at a time). A barrier
 // that can never complete (some threads left or wait elsewhere) aborts with a message. It
 // replaces kernels/kda_compat.cuh. A check of what the code computes, not of its speed, its
-// memory model or its races beyond the barriers it has (the fibers run in a fixed order).
+// memory model or its races beyond the barriers it has (the fibers run in a fixed order:
+// ascending in even blocks, descending in odd ones).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -344,12 +345,16 @@ inline void emu_launch(unsigned grid, unsigned threads, const std::function<void
         blockIdx = {b, 0, 0};
         blk.fibers.resize(threads);
         blk.ended.assign(threads, 0);
-        for (unsigned t = 0; t < threads; ++t) emu_context_init(blk.fibers[t], emu_stacks[t].get(), EMU_STACK, emu_fiber);
+        for (unsigned t = 0; t < threads; ++t)
+            emu_context_init(blk.fibers[t], emu_stacks[t].get(), EMU_STACK, emu_fiber);
         // A fiber back in the scheduler waits at a barrier (resumed on the next pass) or has
-        // ended. A pass with no arrival and no end means no barrier can complete.
+        // ended. A pass with no arrival and no end means no barrier can complete. Odd blocks
+        // run their threads in the reverse order, so that a read of another thread's write
+        // with no barrier between them sees it in some blocks and not in others.
         for (unsigned left = threads; left > 0;) {
             const uint64_t progress = blk.progress;
-            for (unsigned t = 0; t < threads; ++t) {
+            for (unsigned i = 0; i < threads; ++i) {
+                const unsigned t = b & 1 ? threads - 1 - i : i;
                 if (blk.ended[t]) continue;
                 threadIdx = {t, 0, 0};
                 emu_switch(&blk.scheduler, &blk.fibers[t]);
