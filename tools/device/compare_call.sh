@@ -7,7 +7,7 @@
 # (12 heads 1 x 256, 1 x 2048, 8 x 4096; 32 heads 1 x 2048; 12 heads fp16 1 x 32768; FULL=1:
 # 12 and 32 heads 1 x 256, 32 x 256, 1 x 2048, 8 x 4096 and fp16 1 x 32768), with FLA=1
 # fla-core's chunk_kda (tools/device/fla_prefill.py, the wheel in .whl/), then ncu's time per
-# chunk kernel of each build (NCU_CASES, NT=0: none). Writes $OUT/q.tgz, packed again after
+# chunk kernel of each build (NCU_CASES, NCU=0: none). Writes $OUT/q.tgz, packed again after
 # each part, so that a call cut short still returns what ran.
 set -u
 C=${DEVBIN:-.devbin/c75}
@@ -54,7 +54,7 @@ if [ "${FLA:-0}" = 1 ]; then
     pack
 fi
 ncu=""
-[ "${NT:-1}" = 0 ] || ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+[ "${NCU:-1}" = 0 ] || ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 if [ -n "$ncu" ]; then
     for b in $BASE ${NEW//,/ }; do
         for sh in ${NCU_CASES:-12_fp32_1x2048 12_fp16_1x32768 12_fp32_1x256}; do
