@@ -119,7 +119,7 @@ struct EmuContext {
 };
 extern "C" void emu_switch(EmuContext* save, EmuContext* load);
 asm(R"(
-    .text
+    .pushsection .text
     .globl emu_switch
     .type emu_switch, @function
 emu_switch:
@@ -139,6 +139,7 @@ emu_switch:
     popq %rbp
     ret
     .size emu_switch, .-emu_switch
+    .popsection
 )");
 // A context whose first switch-in enters `entry` (which must never return) on `stack`.
 inline void emu_context_init(EmuContext& c, char* stack, size_t size, void (*entry)()) {
