@@ -17,8 +17,6 @@
 #include <functional>
 #include <math.h>
 #include <memory>
-#include <mutex>
-#include <ucontext.h>
 #include <vector>
 
 #define __device__
@@ -33,7 +31,7 @@
 struct dim3e {
     unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local dim3e threadIdx, blockIdx, blockDim, gridDim;
+inline dim3e threadIdx, blockIdx, blockDim, gridDim; // emu_launch sets threadIdx before each switch into a fiber
 
 struct alignas(8) float2 {
     float x, y;
@@ -151,6 +149,7 @@ inline void emu_context_init(EmuContext& c, char* stack, size_t size, void (*ent
     c.sp = sp;
 }
 #else
+#include <ucontext.h>
 struct EmuContext {
     ucontext_t uc;
 };
@@ -199,7 +198,7 @@ struct EmuBlock {
     std::vector<unsigned char> ended;   // per thread: its kernel has returned
     uint64_t progress = 0;              // arrivals and ends, to tell a deadlock
 };
-inline thread_local EmuBlock* emu_block = nullptr;
+inline EmuBlock* emu_block = nullptr;
 
 inline void emu_wait(EmuBarrier& b) {
     EmuBlock& blk = *emu_block;
@@ -268,21 +267,18 @@ void emu_mma_tf32(float (&c)[4], const U (&a)[4], U b0, U b1) {
 #define KDA_GRID_DEPENDENCY 0
 #define KDA_DEPENDENT_LAUNCH() ((void)0)
 
-inline std::mutex emu_atomics;
+// (atomic as they stand: fibers switch only at barriers)
 inline unsigned atomicOr(unsigned* p, unsigned v) {
-    std::lock_guard<std::mutex> g(emu_atomics);
     unsigned o = *p;
     *p = o | v;
     return o;
 }
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
-    std::lock_guard<std::mutex> g(emu_atomics);
     unsigned o = *p;
     *p = o + v;
     return o;
 }
 inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned v) {
-    std::lock_guard<std::mutex> g(emu_atomics);
     unsigned o = *p;
     if (o == cmp) *p = v;
     return o;
